@@ -45,6 +45,7 @@ float CpuJsdBlock(const float* s, const float* t, int64_t n, RowNorm ns, RowNorm
 // Keeps the k best (value, id) pairs seen so far, best first: larger value first, ties broken by
 // the smaller id. A strict total order, so the final set does not depend on the order in which
 // blocks are offered.
+inline constexpr int kMaxTopK = 1024;
 struct TopKEntry {
   float value;
   int32_t id;
@@ -58,8 +59,5 @@ LOGITSERVE_HD bool Better(const TopKEntry& x, const TopKEntry& y) {
 void CpuTopKBlock(const float* z, int64_t n, int32_t id0, int k, TopKEntry* list, int* count);
 // Merges a sorted list of `other_count` entries into `list` (same contract as above).
 void TopKMerge(const TopKEntry* other, int other_count, int k, TopKEntry* list, int* count);
-
-// True when the CPU runs bf16 matrix products natively (AVX512-BF16 or AMX).
-bool CpuHasNativeBf16();
 
 }  // namespace logitserve::kernels

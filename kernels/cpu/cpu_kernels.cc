@@ -1,0 +1,317 @@
+// CPU kernels with Google Highway, compiled for several ISAs and dispatched once per process.
+//
+// Each block is read twice while it sits in L1/L2: a max pass, then one exp per element for the
+// sums. With the block max known up front no per-lane rescaling (a second exp per element) is
+// needed; blocks are combined with scalar rescales in block_stats.h.
+//
+// In-block order is fixed: lanes accumulate element i into lane i % lanes, lanes are reduced
+// pairwise by Highway's ReduceSum, and the tail is handled by a masked final vector. The result of
+// a block therefore depends only on its values (and the ISA chosen at start-up).
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/cpu_kernels.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "logitserve/kernels/cpu_kernels.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace logitserve::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Loads up to Lanes() floats starting at p with n remaining (n >= 1); missing lanes get `fill`.
+HWY_INLINE VF LoadTail(DF d, const float* HWY_RESTRICT p, int64_t n, float fill) {
+  const size_t lanes = hn::Lanes(d);
+  if (static_cast<size_t>(n) >= lanes) return hn::LoadU(d, p);
+  HWY_ALIGN float buf[hn::MaxLanes(d)];
+  for (size_t i = 0; i < lanes; ++i) buf[i] = i < static_cast<size_t>(n) ? p[i] : fill;
+  return hn::Load(d, buf);
+}
+
+void ToFloatImpl(FloatType type, const void* src, int64_t n, float temperature, float* dst) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  if (type == FloatType::kFloat32) {
+    if (dst != src) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  } else if (type == FloatType::kBFloat16) {
+    const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+    const auto* s = static_cast<const hwy::bfloat16_t*>(src);
+    int64_t i = 0;
+    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dbf, s + i)), d, dst + i);
+    const auto* bits = static_cast<const uint16_t*>(src);
+    for (; i < n; ++i) dst[i] = BFloat16ToFloat(bits[i]);
+  } else {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const auto* s = static_cast<const hwy::float16_t*>(src);
+    int64_t i = 0;
+    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + i)), d, dst + i);
+    const auto* bits = static_cast<const uint16_t*>(src);
+    for (; i < n; ++i) dst[i] = Float16ToFloat(bits[i]);
+  }
+  if (temperature != 1.0f) {
+    const VF t = hn::Set(d, temperature);
+    int64_t i = 0;
+    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::Div(hn::LoadU(d, dst + i), t), d, dst + i);
+    for (; i < n; ++i) dst[i] = dst[i] / temperature;
+  }
+}
+
+void ApplyTransformImpl(const LogitTransform& t, float* z, int64_t n) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF scale = hn::Set(d, t.scale);
+  const VF cap = hn::Set(d, t.softcap);
+  const VF temp = hn::Set(d, t.temperature);
+  const bool scaled = t.scale != 1.0f;
+  const bool capped = t.softcap > 0.0f;
+  const bool tempered = t.temperature != 1.0f;
+  // Scalar twin of the vector body, for the tail. Both evaluate the same operations in the same
+  // order (tanh differs: Highway's in the body, libm's in the tail; a column always lands in the
+  // same place because blocks start at fixed offsets, so results stay deterministic).
+  auto scalar = [&](int64_t j) {
+    float x = z[j];
+    if (t.bias) x = x + t.bias[j];
+    if (scaled) x = t.divide_by_scale ? x / t.scale : x * t.scale;
+    if (capped) x = t.softcap * std::tanh(x / t.softcap);
+    if (tempered) x = x / t.temperature;
+    z[j] = x;
+  };
+  int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    VF x = hn::LoadU(d, z + j);
+    if (t.bias) x = hn::Add(x, hn::LoadU(d, t.bias + j));
+    if (scaled) x = t.divide_by_scale ? hn::Div(x, scale) : hn::Mul(x, scale);
+    if (capped) x = hn::Mul(cap, hn::Tanh(d, hn::Div(x, cap)));
+    if (tempered) x = hn::Div(x, temp);
+    hn::StoreU(x, d, z + j);
+  }
+  for (; j < n; ++j) scalar(j);
+}
+
+// Max over n >= 0 values, and flags for NaN / +inf.
+HWY_INLINE float MaxAndFlags(const float* HWY_RESTRICT z, int64_t n, uint32_t* flags) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -HUGE_VALF);
+  const VF pos_inf = hn::Set(d, HUGE_VALF);
+  VF vmax = neg_inf;
+  auto nan_mask = hn::FirstN(d, 0);
+  auto inf_mask = hn::FirstN(d, 0);
+  for (int64_t i = 0; i < n; i += lanes) {
+    const VF x = LoadTail(d, z + i, n - i, -HUGE_VALF);
+    nan_mask = hn::Or(nan_mask, hn::Ne(x, x));
+    inf_mask = hn::Or(inf_mask, hn::Eq(x, pos_inf));
+    vmax = hn::Max(vmax, x);
+  }
+  if (!hn::AllFalse(d, nan_mask)) *flags |= kFlagNaN;
+  if (!hn::AllFalse(d, inf_mask)) *flags |= kFlagPosInf;
+  return hn::GetLane(hn::MaxOfLanes(d, vmax));
+}
+
+BlockStats BlockStatsImpl(const float* HWY_RESTRICT z, int64_t n) {
+  BlockStats out = EmptyBlockStats();
+  const float m = MaxAndFlags(z, n, &out.flags);
+  if (out.flags != 0 || m == -HUGE_VALF) return out;
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF vm = hn::Set(d, m);
+  const VF neg_inf = hn::Set(d, -HUGE_VALF);
+  VF s = hn::Zero(d);
+  VF w = hn::Zero(d);
+  for (int64_t i = 0; i < n; i += lanes) {
+    const VF x = LoadTail(d, z + i, n - i, -HUGE_VALF);
+    const VF dz = hn::Sub(x, vm);  // <= 0; -inf for masked or overflowing values
+    const auto live = hn::Gt(dz, neg_inf);
+    const VF dz0 = hn::IfThenElseZero(live, dz);  // masked lanes: 0, so e * dz0 is 0 * 0
+    const VF e = hn::IfThenElseZero(live, hn::Exp(d, dz0));
+    s = hn::Add(s, e);
+    w = hn::Add(w, hn::Mul(e, dz0));
+  }
+  out.m = m;
+  out.s = hn::GetLane(hn::SumOfLanes(d, s));
+  out.w = hn::GetLane(hn::SumOfLanes(d, w));
+  return out;
+}
+
+PairBlockStats PairBlockStatsImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                                  int64_t n) {
+  PairBlockStats out{EmptyBlockStats(), EmptyBlockStats(), 0.0f, 0.0f};
+  const float ma = MaxAndFlags(a, n, &out.a.flags);
+  const float mb = MaxAndFlags(b, n, &out.b.flags);
+  if ((out.a.flags | out.b.flags) != 0) return out;
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF vma = hn::Set(d, ma);
+  const VF vmb = hn::Set(d, mb);
+  const VF neg_inf = hn::Set(d, -HUGE_VALF);
+  VF sa = hn::Zero(d), wa = hn::Zero(d), sb = hn::Zero(d), wb = hn::Zero(d);
+  VF cab = hn::Zero(d), cba = hn::Zero(d);
+  auto a_only = hn::FirstN(d, 0);
+  auto b_only = hn::FirstN(d, 0);
+  for (int64_t i = 0; i < n; i += lanes) {
+    const VF xa = LoadTail(d, a + i, n - i, -HUGE_VALF);
+    const VF xb = LoadTail(d, b + i, n - i, -HUGE_VALF);
+    // A fully masked side has m = -inf, and -inf - -inf = NaN; Gt(NaN, -inf) is false, so such
+    // lanes count as masked, as they should.
+    const VF da = hn::Sub(xa, vma);
+    const VF db = hn::Sub(xb, vmb);
+    const auto live_a = hn::Gt(da, neg_inf);
+    const auto live_b = hn::Gt(db, neg_inf);
+    const auto both = hn::And(live_a, live_b);
+    a_only = hn::Or(a_only, hn::AndNot(live_b, live_a));
+    b_only = hn::Or(b_only, hn::AndNot(live_a, live_b));
+    const VF da0 = hn::IfThenElseZero(live_a, da);
+    const VF db0 = hn::IfThenElseZero(live_b, db);
+    const VF ea = hn::IfThenElseZero(live_a, hn::Exp(d, da0));
+    const VF eb = hn::IfThenElseZero(live_b, hn::Exp(d, db0));
+    sa = hn::Add(sa, ea);
+    wa = hn::Add(wa, hn::Mul(ea, da0));
+    sb = hn::Add(sb, eb);
+    wb = hn::Add(wb, hn::Mul(eb, db0));
+    // Cross terms over tokens both sides support (the others raised a mismatch flag).
+    const VF diff = hn::IfThenElseZero(both, hn::Sub(da0, db0));
+    cab = hn::Add(cab, hn::Mul(ea, diff));
+    cba = hn::Sub(cba, hn::Mul(eb, diff));
+  }
+  if (!hn::AllFalse(d, a_only)) out.a.flags |= kFlagASupportsBMasked;
+  if (!hn::AllFalse(d, b_only)) out.a.flags |= kFlagBSupportsAMasked;
+  if (ma != -HUGE_VALF) {
+    out.a.m = ma;
+    out.a.s = hn::GetLane(hn::SumOfLanes(d, sa));
+    out.a.w = hn::GetLane(hn::SumOfLanes(d, wa));
+  }
+  if (mb != -HUGE_VALF) {
+    out.b.m = mb;
+    out.b.s = hn::GetLane(hn::SumOfLanes(d, sb));
+    out.b.w = hn::GetLane(hn::SumOfLanes(d, wb));
+  }
+  out.c_ab = hn::GetLane(hn::SumOfLanes(d, cab));
+  out.c_ba = hn::GetLane(hn::SumOfLanes(d, cba));
+  return out;
+}
+
+float JsdBlockImpl(const float* HWY_RESTRICT s, const float* HWY_RESTRICT t, int64_t n,
+                   RowNorm ns, RowNorm nt, float beta) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF ms = hn::Set(d, ns.m), ls = hn::Set(d, ns.log_s);
+  const VF mt = hn::Set(d, nt.m), lt = hn::Set(d, nt.log_s);
+  const VF vbeta = hn::Set(d, beta), vomb = hn::Set(d, 1.0f - beta);
+  const VF log_beta = hn::Set(d, std::log(beta));
+  const VF log_omb = hn::Set(d, std::log1p(-beta));
+  const VF neg_inf = hn::Set(d, -HUGE_VALF);
+  VF acc = hn::Zero(d);
+  for (int64_t i = 0; i < n; i += lanes) {
+    const VF zs = LoadTail(d, s + i, n - i, -HUGE_VALF);
+    const VF zt = LoadTail(d, t + i, n - i, -HUGE_VALF);
+    const VF lps = hn::Sub(hn::Sub(zs, ms), ls);  // (z - M) - L, as in LogProb
+    const VF lpt = hn::Sub(hn::Sub(zt, mt), lt);
+    const auto live_s = hn::Gt(lps, neg_inf);
+    const auto live_t = hn::Gt(lpt, neg_inf);
+    const VF lps0 = hn::IfThenElseZero(live_s, lps);
+    const VF lpt0 = hn::IfThenElseZero(live_t, lpt);
+    const VF ps = hn::IfThenElseZero(live_s, hn::Exp(d, lps0));
+    const VF pt = hn::IfThenElseZero(live_t, hn::Exp(d, lpt0));
+    // log m = logaddexp(log(1-beta) + ls, log(beta) + lt); a masked side is -inf.
+    const VF xs = hn::IfThenElse(live_s, hn::Add(log_omb, lps0), neg_inf);
+    const VF xt = hn::IfThenElse(live_t, hn::Add(log_beta, lpt0), neg_inf);
+    const VF hi = hn::Max(xs, xt);
+    const VF lo = hn::Min(xs, xt);
+    const auto any = hn::Gt(hi, neg_inf);
+    const VF gap = hn::IfThenElseZero(any, hn::Sub(lo, hi));  // <= 0, -inf when one side masked
+    const VF gap0 = hn::IfThenElse(hn::Gt(gap, neg_inf), gap, hn::Set(d, -200.0f));
+    const VF log_m = hn::Add(hn::IfThenElseZero(any, hi), hn::Log1p(d, hn::Exp(d, gap0)));
+    const VF term_t = hn::Mul(hn::Mul(vbeta, pt), hn::Sub(lpt0, log_m));
+    const VF term_s = hn::Mul(hn::Mul(vomb, ps), hn::Sub(lps0, log_m));
+    acc = hn::Add(acc, hn::IfThenElseZero(live_t, term_t));
+    acc = hn::Add(acc, hn::IfThenElseZero(live_s, term_s));
+  }
+  return hn::GetLane(hn::SumOfLanes(d, acc));
+}
+
+void TopKBlockImpl(const float* HWY_RESTRICT z, int64_t n, int32_t id0, int k, TopKEntry* list,
+                   int* count) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  auto insert = [&](float v, int32_t id) {
+    const TopKEntry e{v, id};
+    if (*count == k && !Better(e, list[k - 1])) return;
+    int pos = *count < k ? (*count)++ : k - 1;
+    while (pos > 0 && Better(e, list[pos - 1])) {
+      list[pos] = list[pos - 1];
+      --pos;
+    }
+    list[pos] = e;
+  };
+  int64_t i = 0;
+  // Until the list is full every value is a candidate; afterwards only values >= the worst kept
+  // one can enter, which a vector compare rules out for most of the block.
+  for (; i < n && *count < k; ++i) insert(z[i], id0 + static_cast<int32_t>(i));
+  for (; i + lanes <= n; i += lanes) {
+    const VF x = hn::LoadU(d, z + i);
+    if (hn::AllFalse(d, hn::Ge(x, hn::Set(d, list[k - 1].value)))) continue;
+    for (int64_t j = i; j < i + lanes; ++j) insert(z[j], id0 + static_cast<int32_t>(j));
+  }
+  for (; i < n; ++i) insert(z[i], id0 + static_cast<int32_t>(i));
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace logitserve::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace logitserve::kernels {
+
+HWY_EXPORT(ToFloatImpl);
+HWY_EXPORT(ApplyTransformImpl);
+HWY_EXPORT(BlockStatsImpl);
+HWY_EXPORT(PairBlockStatsImpl);
+HWY_EXPORT(JsdBlockImpl);
+HWY_EXPORT(TopKBlockImpl);
+
+void CpuToFloat(FloatType type, const void* src, int64_t n, float temperature, float* dst) {
+  HWY_DYNAMIC_DISPATCH(ToFloatImpl)(type, src, n, temperature, dst);
+}
+void CpuApplyTransform(const LogitTransform& t, float* z, int64_t n) {
+  if (!t.IsIdentity()) HWY_DYNAMIC_DISPATCH(ApplyTransformImpl)(t, z, n);
+}
+BlockStats CpuBlockStats(const float* z, int64_t n) {
+  return HWY_DYNAMIC_DISPATCH(BlockStatsImpl)(z, n);
+}
+PairBlockStats CpuPairBlockStats(const float* a, const float* b, int64_t n) {
+  return HWY_DYNAMIC_DISPATCH(PairBlockStatsImpl)(a, b, n);
+}
+float CpuJsdBlock(const float* s, const float* t, int64_t n, RowNorm ns, RowNorm nt, float beta) {
+  return HWY_DYNAMIC_DISPATCH(JsdBlockImpl)(s, t, n, ns, nt, beta);
+}
+void CpuTopKBlock(const float* z, int64_t n, int32_t id0, int k, TopKEntry* list, int* count) {
+  if (k > 0) HWY_DYNAMIC_DISPATCH(TopKBlockImpl)(z, n, id0, k, list, count);
+}
+
+void TopKMerge(const TopKEntry* other, int other_count, int k, TopKEntry* list, int* count) {
+  // Standard merge of two sorted lists, keeping the first k (k <= kMaxTopK).
+  TopKEntry merged[kMaxTopK];
+  k = std::min(k, kMaxTopK);
+  int i = 0, j = 0, m = 0;
+  while (m < k && (i < *count || j < other_count)) {
+    if (j >= other_count || (i < *count && Better(list[i], other[j]))) {
+      merged[m++] = list[i++];
+    } else {
+      merged[m++] = other[j++];
+    }
+  }
+  std::copy(merged, merged + m, list);
+  *count = m;
+}
+
+}  // namespace logitserve::kernels
+#endif  // HWY_ONCE

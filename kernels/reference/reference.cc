@@ -1,0 +1,250 @@
+#include "kernels/reference/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <numeric>
+
+#include "logitserve/kernels/dtype.h"
+
+namespace logitserve::reference {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+bool HasNaN(std::span<const double> lp) {
+  return std::any_of(lp.begin(), lp.end(), [](double x) { return std::isnan(x); });
+}
+
+// A row without any unmasked token (LogSoftmax gives NaN everywhere), or an empty row.
+bool RowUndefined(std::span<const double> lp) { return lp.empty() || HasNaN(lp); }
+
+const uint8_t* RowPointer(const MatrixView& m, int64_t row) {
+  return static_cast<const uint8_t*>(m.data) +
+         static_cast<size_t>(row) * static_cast<size_t>(m.cols) *
+             static_cast<size_t>(kernels::SizeOf(m.type));
+}
+
+// Upcasts n elements of a row exactly.
+std::vector<double> Upcast(kernels::FloatType type, const void* row, int64_t n) {
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[i] = kernels::LoadAsFloat(type, row, i);
+  return out;
+}
+
+}  // namespace
+
+bool IsMasked(double z, double max_z) {
+  if (z == -kInf) return true;
+  // The fast path works in fp32, where a finite logit below -FLT_MAX after temperature, or a
+  // centred value z - M below -FLT_MAX, becomes -inf: SPEC §3 edge 6 defines those as masked.
+  if (static_cast<float>(z) == -std::numeric_limits<float>::infinity()) return true;
+  return static_cast<float>(z - max_z) == -std::numeric_limits<float>::infinity();
+}
+
+std::vector<double> LogSoftmax(std::span<const double> z) {
+  std::vector<double> lp(z.size(), kNaN);
+  double m = -kInf;
+  for (double x : z) {
+    if (x != -kInf && !(static_cast<float>(x) == -std::numeric_limits<float>::infinity())) {
+      m = std::max(m, x);
+    }
+  }
+  if (m == -kInf) return lp;  // no unmasked token (or empty row)
+  // First pass found M; second pass sums exp(z - M) over unmasked tokens. Plain sum, long
+  // double accumulator: over <= 1e6 terms in [0, 1] its error is far below anything fp32 sees.
+  long double s = 0.0L;
+  for (double x : z) {
+    if (!IsMasked(x, m)) s += std::exp(x - m);
+  }
+  const double log_s = static_cast<double>(std::log(s));
+  for (size_t j = 0; j < z.size(); ++j) {
+    lp[j] = IsMasked(z[j], m) ? -kInf : (z[j] - m) - log_s;
+  }
+  return lp;
+}
+
+double Entropy(std::span<const double> lp) {
+  if (RowUndefined(lp)) return kNaN;
+  long double h = 0.0L;
+  for (double x : lp) {
+    if (x == -kInf) continue;  // masked: p = 0 and no contribution (0 * -inf skipped)
+    h -= std::exp(x) * x;
+  }
+  return static_cast<double>(h);
+}
+
+double Kl(std::span<const double> lp_a, std::span<const double> lp_b) {
+  if (RowUndefined(lp_a) || RowUndefined(lp_b)) return kNaN;
+  long double kl = 0.0L;
+  for (size_t j = 0; j < lp_a.size(); ++j) {
+    if (lp_a[j] == -kInf) continue;      // a masks it: no contribution
+    if (lp_b[j] == -kInf) return kInf;   // a supports, b masks (even if p_a underflows)
+    kl += std::exp(lp_a[j]) * (lp_a[j] - lp_b[j]);
+  }
+  return static_cast<double>(kl);
+}
+
+double Jsd(std::span<const double> lp_s, std::span<const double> lp_t, double beta) {
+  if (beta == 0.0) return Kl(lp_t, lp_s);
+  if (beta == 1.0) return Kl(lp_s, lp_t);
+  if (RowUndefined(lp_s) || RowUndefined(lp_t)) return kNaN;
+  const double b = beta;
+  const double log_b = std::log(b);
+  const double log_1mb = std::log1p(-b);
+  long double jsd = 0.0L;
+  for (size_t j = 0; j < lp_s.size(); ++j) {
+    const bool s_live = lp_s[j] != -kInf;
+    const bool t_live = lp_t[j] != -kInf;
+    if (!s_live && !t_live) continue;
+    const double ls = lp_s[j];
+    const double lt = lp_t[j];
+    // log m = log((1 - beta) p_s + beta p_t), in log space.
+    double log_m;
+    if (!t_live) {
+      log_m = log_1mb + ls;
+    } else if (!s_live) {
+      log_m = log_b + lt;
+    } else {
+      const double xs = log_1mb + ls;
+      const double xt = log_b + lt;
+      const double hi = std::max(xs, xt);
+      log_m = hi + std::log1p(std::exp(std::min(xs, xt) - hi));
+    }
+    if (t_live) jsd += b * std::exp(lt) * (lt - log_m);
+    if (s_live) jsd += (1.0 - b) * std::exp(ls) * (ls - log_m);
+  }
+  return static_cast<double>(jsd);
+}
+
+std::vector<TopKItem> TopK(std::span<const double> lp, int k) {
+  const size_t n = std::min(lp.size(), static_cast<size_t>(std::max(k, 0)));
+  std::vector<int32_t> ids(lp.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  // Live tokens first (larger lp first, then smaller id); masked (-inf) and undefined (NaN)
+  // tokens after them, by id.
+  auto live = [&](int32_t i) { return lp[i] != -kInf && !std::isnan(lp[i]); };
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n), ids.end(),
+                    [&](int32_t x, int32_t y) {
+                      const bool lx = live(x);
+                      const bool ly = live(y);
+                      if (lx != ly) return lx;
+                      if (lx && lp[x] != lp[y]) return lp[x] > lp[y];
+                      return x < y;
+                    });
+  std::vector<TopKItem> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = TopKItem{ids[i], lp[ids[i]]};
+  return out;
+}
+
+double TargetLogProb(std::span<const double> lp, int32_t id, int32_t ignore_index) {
+  if (id == ignore_index) return 0.0;
+  return lp[static_cast<size_t>(id)];
+}
+
+double TransformLogit(const HeadTransform& transform, double dot, double bias,
+                      double temperature) {
+  double x = dot + bias;
+  if (transform.logit_scale != 1.0f) x *= static_cast<double>(transform.logit_scale);
+  if (transform.logits_scaling != 1.0f) x /= static_cast<double>(transform.logits_scaling);
+  if (transform.softcap > 0.0f) {
+    const double c = transform.softcap;
+    x = c * std::tanh(x / c);
+  }
+  if (temperature != 1.0) x /= temperature;
+  return x;
+}
+
+std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab) {
+  const double temperature = input.temperature;
+  if (!input.hidden_mode()) {
+    std::vector<double> z = Upcast(input.logits.type, RowPointer(input.logits, row), vocab);
+    if (temperature != 1.0) {
+      for (double& x : z) x /= temperature;
+    }
+    return z;
+  }
+  const HeadWeights& w = input.head->weights();
+  const int64_t hidden = w.hidden_size;
+  const std::vector<double> h =
+      Upcast(input.hidden.type, RowPointer(input.hidden, row), hidden);
+  const size_t row_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(SizeOf(w.dtype));
+  std::vector<double> z(static_cast<size_t>(vocab));
+  for (int64_t j = 0; j < vocab; ++j) {
+    const uint8_t* wj = w.weight.data() + static_cast<size_t>(j) * row_bytes;
+    // Each product of two upcast fp32 values is exact in double (24 + 24 < 53 bits).
+    long double dot = 0.0L;
+    for (int64_t i = 0; i < hidden; ++i) {
+      dot += static_cast<long double>(h[i] * kernels::LoadAsFloat(w.dtype, wj, i));
+    }
+    const double bias = w.bias.empty() ? 0.0 : static_cast<double>(w.bias[j]);
+    z[j] = TransformLogit(w.transform, static_cast<double>(dot), bias, temperature);
+  }
+  return z;
+}
+
+double HiddenDotMagnitude(const DistributionInput& input, int64_t row, int64_t vocab) {
+  if (!input.hidden_mode()) return 0.0;
+  const HeadWeights& w = input.head->weights();
+  const int64_t hidden = w.hidden_size;
+  const std::vector<double> h =
+      Upcast(input.hidden.type, RowPointer(input.hidden, row), hidden);
+  const size_t row_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(SizeOf(w.dtype));
+  double out = 0.0;
+  for (int64_t j = 0; j < vocab; ++j) {
+    const uint8_t* wj = w.weight.data() + static_cast<size_t>(j) * row_bytes;
+    double sum = 0.0;
+    for (int64_t i = 0; i < hidden; ++i) {
+      sum += std::abs(h[i] * kernels::LoadAsFloat(w.dtype, wj, i));
+    }
+    out = std::max(out, sum);
+  }
+  return out;
+}
+
+ReferenceResult ScoreReference(const ScoreJob& job) {
+  ReferenceResult r;
+  const size_t rows = static_cast<size_t>(job.rows);
+  const bool want_targets = job.ids_per_row > 0;
+  if (want_targets) r.target_logprobs.resize(rows * job.ids_per_row);
+  if (job.top_k > 0) {
+    r.top_k_ids.resize(rows * job.top_k);
+    r.top_k_logprobs.resize(rows * job.top_k);
+  }
+  if (job.entropy) r.entropy.resize(rows);
+  if (job.reference_entropy) r.reference_entropy.resize(rows);
+  if (job.forward_kl) r.forward_kl.resize(rows);
+  if (job.reverse_kl) r.reverse_kl.resize(rows);
+  if (job.jsd_beta.has_value()) r.jsd.resize(rows);
+  const bool need_ref = job.NeedsReference();
+
+  for (int64_t row = 0; row < job.rows; ++row) {
+    const std::vector<double> lp = LogSoftmax(RowLogits(job.model, row, job.vocab));
+    std::vector<double> lp_ref;
+    if (need_ref) lp_ref = LogSoftmax(RowLogits(job.reference, row, job.vocab));
+    if (want_targets) {
+      for (int32_t k = 0; k < job.ids_per_row; ++k) {
+        const size_t i = static_cast<size_t>(row) * job.ids_per_row + k;
+        r.target_logprobs[i] = TargetLogProb(lp, job.target_ids[i], job.ignore_index);
+      }
+    }
+    if (job.top_k > 0) {
+      const std::vector<TopKItem> top = TopK(lp, job.top_k);
+      for (size_t k = 0; k < top.size(); ++k) {
+        const size_t i = static_cast<size_t>(row) * job.top_k + k;
+        r.top_k_ids[i] = top[k].id;
+        r.top_k_logprobs[i] = top[k].logprob;
+      }
+    }
+    if (job.entropy) r.entropy[row] = Entropy(lp);
+    if (job.reference_entropy) r.reference_entropy[row] = Entropy(lp_ref);
+    if (job.forward_kl) r.forward_kl[row] = Kl(lp_ref, lp);
+    if (job.reverse_kl) r.reverse_kl[row] = Kl(lp, lp_ref);
+    if (job.jsd_beta.has_value()) r.jsd[row] = Jsd(lp, lp_ref, *job.jsd_beta);
+  }
+  return r;
+}
+
+}  // namespace logitserve::reference

@@ -1,0 +1,590 @@
+// CpuBackend: the always-built backend. Same algorithm and block structure as the CUDA backend:
+//
+//   for each tile of kRowTile rows:
+//     each shard (a rank, in its own thread) computes per-block statistics of its vocabulary
+//       blocks (OpenMP workers over blocks; hidden mode: one oneDNN GEMM per block into an
+//       L2-sized logits tile, transform applied, statistics read back while it is hot);
+//     ranks all-gather the small per-block records through the Communicator;
+//     every rank folds the records in global block order (identical bits on every rank);
+//     JSD only: a second pass over the tile with the global normalisation, partials all-gathered
+//       and summed in global block order.
+//
+// Nothing of size [N, V] is ever allocated: per rank the largest buffers are one row tile of
+// logits (hidden mode with JSD) and the per-block records.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "logitserve/kernels/block_stats.h"
+#include "logitserve/kernels/cpu_kernels.h"
+#include "server/backend/backend.h"
+#include "server/backend/communicator.h"
+#include "server/backend/cpu_tile_gemm.h"
+#include "server/backend/shard_layout.h"
+
+namespace logitserve {
+namespace {
+
+namespace k = kernels;
+
+// A head resident for the CPU backend: fp32 bias and, per vocabulary block, weights packed for
+// the block's TileGemm (one primitive for full blocks, one for a shorter last block).
+class CpuHead final : public PreparedHead {
+ public:
+  using PreparedHead::PreparedHead;
+  std::unique_ptr<TileGemm> full_gemm;  // n = kVocabBlock
+  std::unique_ptr<TileGemm> last_gemm;  // n = vocab % kVocabBlock, when not 0
+  std::vector<std::vector<float>> packed_blocks;
+  std::vector<float> bias;  // empty or vocab
+
+  const TileGemm& GemmFor(int64_t block) const {
+    const int64_t nb = static_cast<int64_t>(packed_blocks.size());
+    return (block == nb - 1 && last_gemm) ? *last_gemm : *full_gemm;
+  }
+};
+
+int64_t BlockWidth(int64_t vocab, int64_t block) {
+  return std::min(k::kVocabBlock, vocab - block * k::kVocabBlock);
+}
+
+// What one rank sends per row tile. Fixed size on every rank (padded to the widest shard).
+struct TileMessageLayout {
+  int64_t rows;          // kRowTile
+  int64_t max_blocks;    // widest shard, in blocks
+  int64_t top_k;
+  int64_t ids_per_row;
+  size_t stats_offset, topk_offset, count_offset, target_offset, bytes;
+
+  TileMessageLayout(int64_t max_blocks_in, int64_t top_k_in, int64_t ids_in)
+      : rows(kRowTile), max_blocks(max_blocks_in), top_k(top_k_in), ids_per_row(ids_in) {
+    stats_offset = 0;
+    topk_offset = stats_offset + sizeof(k::PairBlockStats) * rows * max_blocks;
+    count_offset = topk_offset + sizeof(k::TopKEntry) * rows * top_k;
+    target_offset = count_offset + sizeof(int32_t) * rows;
+    bytes = target_offset + sizeof(float) * rows * ids_per_row;
+  }
+};
+
+// Everything a rank needs for one job.
+struct RankContext {
+  const ScoreJob* job;
+  ScoreResult* result;  // written by rank 0 only
+  Communicator* comm;
+  const std::vector<ShardRange>* layout;
+  int threads;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options) : options_(options) {
+    if (options_.threads <= 0) {
+      options_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    }
+    // oneDNN is called from inside our OpenMP workers: nested regions must run serially.
+    omp_set_max_active_levels(1);
+  }
+
+  std::string name() const override { return "cpu"; }
+
+  std::vector<ShardRange> ShardLayout(int64_t vocab) const override {
+    return MakeShardLayout(vocab, options_.shards, options_.shard_weights);
+  }
+
+  absl::StatusOr<std::shared_ptr<const PreparedHead>> PrepareHead(
+      std::shared_ptr<const HeadWeights> weights) override;
+
+  absl::Status Score(const ScoreJob& job, ScoreResult* result) override;
+
+ private:
+  CpuBackendOptions options_;
+};
+
+absl::StatusOr<std::shared_ptr<const PreparedHead>> CpuBackend::PrepareHead(
+    std::shared_ptr<const HeadWeights> weights) {
+  const HeadWeights& w = *weights;
+  const int64_t vocab = w.vocab_size, hidden = w.hidden_size;
+  if (vocab < 1 || hidden < 1) return absl::InvalidArgumentError("head has an empty shape");
+  if (static_cast<int64_t>(w.weight.size()) != vocab * hidden * k::SizeOf(w.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("head '", w.name, "': weight bytes mismatch"));
+  }
+  auto head = std::make_shared<CpuHead>(weights);
+  auto full = TileGemm::Create(hidden, k::kVocabBlock, k::kVocabBlock);
+  if (!full.ok()) return full.status();
+  head->full_gemm = *std::move(full);
+  if (vocab % k::kVocabBlock != 0) {
+    auto last = TileGemm::Create(hidden, vocab % k::kVocabBlock, k::kVocabBlock);
+    if (!last.ok()) return last.status();
+    head->last_gemm = *std::move(last);
+  }
+  const int64_t nb = k::NumBlocks(vocab);
+  head->packed_blocks.resize(static_cast<size_t>(nb));
+  std::vector<absl::Status> status(static_cast<size_t>(nb));
+#pragma omp parallel num_threads(options_.threads)
+  {
+    std::vector<float> plain(static_cast<size_t>(k::kVocabBlock * hidden));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t n = BlockWidth(vocab, b);
+      const uint8_t* src = w.weight.data() + b * k::kVocabBlock * hidden * k::SizeOf(w.dtype);
+      k::CpuToFloat(w.dtype, src, n * hidden, 1.0f, plain.data());
+      auto packed = head->GemmFor(b).PackWeights(plain.data());
+      if (packed.ok()) {
+        head->packed_blocks[static_cast<size_t>(b)] = *std::move(packed);
+      } else {
+        status[static_cast<size_t>(b)] = packed.status();
+      }
+    }
+  }
+  for (const auto& s : status) {
+    if (!s.ok()) return s;
+  }
+  head->bias = w.bias;
+  return std::shared_ptr<const PreparedHead>(std::move(head));
+}
+
+// ---- One rank's work ---------------------------------------------------------------------
+
+class RankWorker {
+ public:
+  explicit RankWorker(const RankContext& ctx)
+      : ctx_(ctx),
+        job_(*ctx.job),
+        rank_(ctx.comm->rank()),
+        shard_((*ctx.layout)[static_cast<size_t>(rank_)]),
+        block_begin_(shard_.begin / k::kVocabBlock),
+        num_blocks_((shard_.end - shard_.begin + k::kVocabBlock - 1) / k::kVocabBlock),
+        with_ref_(job_.NeedsReference()),
+        jsd_pass_(job_.jsd_beta.has_value() && *job_.jsd_beta > 0.0f && *job_.jsd_beta < 1.0f),
+        keep_logits_(jsd_pass_ && (job_.model.hidden_mode() || job_.reference.hidden_mode())),
+        msg_(MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row) {}
+
+  absl::Status Run();
+
+ private:
+  static int64_t MaxBlocks(const std::vector<ShardRange>& layout) {
+    int64_t m = 0;
+    for (const auto& s : layout) m = std::max(m, (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock);
+    return m;
+  }
+
+  // fp32 logits of `rows` rows of global block `block` for one distribution, for the row tile
+  // starting at row0. Logits mode: pointers into the request (fp32, temperature 1) or converted
+  // copies in `scratch`. Hidden mode: one GEMM into `scratch` (ld = kVocabBlock) + transform.
+  absl::Status BlockLogits(const DistributionInput& in, const float* hidden_tile, int64_t row0,
+                           int64_t rows, int64_t block, float* scratch, void* gemm_scratch,
+                           std::vector<const float*>* row_ptrs) const;
+
+  absl::Status ComputeTile(int64_t row0, int64_t rows);
+  void ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
+                         std::vector<float>* tile) const;
+  absl::Status FoldTile(int64_t row0, int64_t rows);
+  absl::Status JsdTile(int64_t row0, int64_t rows);
+
+  const RankContext& ctx_;
+  const ScoreJob& job_;
+  const int rank_;
+  const ShardRange shard_;
+  const int64_t block_begin_;
+  const int64_t num_blocks_;
+  const bool with_ref_;
+  const bool jsd_pass_;
+  // JSD with a hidden-mode side: the tile's logits are kept for the second pass rather than
+  // recomputed (one [kRowTile, V_shard] buffer per distribution).
+  const bool keep_logits_;
+  const TileMessageLayout msg_;
+
+  std::vector<uint8_t> send_, recv_;
+  std::vector<float> hidden_model_, hidden_ref_;      // [kRowTile, H] fp32 row tiles
+  std::vector<float> keep_model_, keep_ref_;          // hidden mode + JSD: tile logits [rows, V_shard]
+  std::vector<k::RowStats> model_rows_, ref_rows_;    // folded per row of the tile
+  std::vector<k::PairRowStats> pair_rows_;
+};
+
+void RankWorker::ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
+                                   std::vector<float>* tile) const {
+  const int64_t h = in.hidden.cols;
+  tile->assign(static_cast<size_t>(kRowTile * h), 0.0f);  // padding rows stay zero
+  const auto* base = static_cast<const uint8_t*>(in.hidden.data);
+  for (int64_t r = 0; r < rows; ++r) {
+    k::CpuToFloat(in.hidden.type, base + (row0 + r) * h * k::SizeOf(in.hidden.type), h, 1.0f,
+                  tile->data() + r * h);
+  }
+}
+
+absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* hidden_tile,
+                                     int64_t row0, int64_t rows, int64_t block, float* scratch,
+                                     void* gemm_scratch, std::vector<const float*>* row_ptrs) const {
+  const int64_t vocab = job_.vocab;
+  const int64_t col0 = block * k::kVocabBlock;
+  const int64_t n = BlockWidth(vocab, block);
+  row_ptrs->resize(static_cast<size_t>(rows));
+  if (!in.hidden_mode()) {
+    const int64_t es = k::SizeOf(in.logits.type);
+    const auto* base = static_cast<const uint8_t*>(in.logits.data);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* src = base + ((row0 + r) * vocab + col0) * es;
+      if (in.logits.type == k::FloatType::kFloat32 && in.temperature == 1.0f) {
+        (*row_ptrs)[static_cast<size_t>(r)] = reinterpret_cast<const float*>(src);
+      } else {
+        float* dst = scratch + r * k::kVocabBlock;
+        k::CpuToFloat(in.logits.type, src, n, in.temperature, dst);
+        (*row_ptrs)[static_cast<size_t>(r)] = dst;
+      }
+    }
+    return absl::OkStatus();
+  }
+  const auto& head = static_cast<const CpuHead&>(*in.head);
+  const auto& gemm = head.GemmFor(block);
+  if (auto s = gemm.Run(hidden_tile, head.packed_blocks[static_cast<size_t>(block)].data(),
+                        scratch, gemm_scratch);
+      !s.ok()) {
+    return s;
+  }
+  const HeadTransform& ht = head.weights().transform;
+  k::LogitTransform t;
+  t.bias = head.bias.empty() ? nullptr : head.bias.data() + col0;
+  if (ht.logits_scaling != 1.0f) {
+    t.scale = ht.logits_scaling;
+    t.divide_by_scale = true;
+  } else {
+    t.scale = ht.logit_scale;
+  }
+  t.softcap = ht.softcap;
+  t.temperature = in.temperature;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* z = scratch + r * k::kVocabBlock;
+    k::CpuApplyTransform(t, z, n);
+    (*row_ptrs)[static_cast<size_t>(r)] = z;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
+  std::fill(send_.begin(), send_.end(), 0);
+  auto* stats = reinterpret_cast<k::PairBlockStats*>(send_.data() + msg_.stats_offset);
+  auto* topk = reinterpret_cast<k::TopKEntry*>(send_.data() + msg_.topk_offset);
+  auto* counts = reinterpret_cast<int32_t*>(send_.data() + msg_.count_offset);
+  auto* targets = reinterpret_cast<float*>(send_.data() + msg_.target_offset);
+  for (int64_t i = 0; i < kRowTile * msg_.max_blocks; ++i) {
+    stats[i] = k::PairBlockStats{k::EmptyBlockStats(), k::EmptyBlockStats(), 0.0f, 0.0f};
+  }
+
+  if (job_.model.hidden_mode()) ConvertHiddenTile(job_.model, row0, rows, &hidden_model_);
+  if (with_ref_ && job_.reference.hidden_mode()) ConvertHiddenTile(job_.reference, row0, rows, &hidden_ref_);
+
+  const int64_t k_top = job_.top_k;
+  const int64_t shard_width = shard_.end - shard_.begin;
+  // Per-block top-k lists, merged per row after the parallel loop.
+  std::vector<k::TopKEntry> block_topk(static_cast<size_t>(k_top > 0 ? rows * num_blocks_ * k_top : 0));
+  std::vector<int> block_counts(static_cast<size_t>(k_top > 0 ? rows * num_blocks_ : 0), 0);
+
+  std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
+#pragma omp parallel num_threads(ctx_.threads)
+  {
+    std::vector<float> scratch_m(static_cast<size_t>(kRowTile * k::kVocabBlock));
+    std::vector<float> scratch_r(with_ref_ ? static_cast<size_t>(kRowTile * k::kVocabBlock) : 0);
+    std::vector<uint8_t> gemm_scratch;
+    std::vector<const float*> zm, zr;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t lb = 0; lb < num_blocks_; ++lb) {
+      const int64_t block = block_begin_ + lb;
+      const int64_t col0 = block * k::kVocabBlock;
+      const int64_t n = BlockWidth(job_.vocab, block);
+      auto run = [&](const DistributionInput& in, const std::vector<float>& htile,
+                     std::vector<float>& scratch, std::vector<const float*>& ptrs) {
+        if (in.hidden_mode()) {
+          const auto& head = static_cast<const CpuHead&>(*in.head);
+          gemm_scratch.resize(std::max(gemm_scratch.size(), head.GemmFor(block).scratchpad_bytes()));
+        }
+        return BlockLogits(in, htile.data(), row0, rows, block, scratch.data(), gemm_scratch.data(),
+                           &ptrs);
+      };
+      absl::Status s = run(job_.model, hidden_model_, scratch_m, zm);
+      if (s.ok() && with_ref_) s = run(job_.reference, hidden_ref_, scratch_r, zr);
+      if (!s.ok()) {
+        status[static_cast<size_t>(lb)] = s;
+        continue;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* a = zm[static_cast<size_t>(r)];
+        k::PairBlockStats& st = stats[r * msg_.max_blocks + lb];
+        if (with_ref_) {
+          st = k::CpuPairBlockStats(a, zr[static_cast<size_t>(r)], n);
+        } else {
+          st.a = k::CpuBlockStats(a, n);
+        }
+        if (k_top > 0) {
+          const size_t off = static_cast<size_t>((r * num_blocks_ + lb));
+          k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top),
+                          block_topk.data() + off * k_top, &block_counts[off]);
+        }
+        for (int64_t j = 0; j < job_.ids_per_row; ++j) {
+          const int32_t id = job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
+          if (id >= col0 && id < col0 + n) targets[r * job_.ids_per_row + j] = a[id - col0];
+        }
+        if (keep_logits_) {
+          std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a, n * sizeof(float));
+          std::memcpy(keep_ref_.data() + r * shard_width + (col0 - shard_.begin),
+                      zr[static_cast<size_t>(r)], n * sizeof(float));
+        }
+      }
+    }
+  }
+  for (const auto& s : status) {
+    if (!s.ok()) return s;
+  }
+  if (k_top > 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      int count = 0;
+      k::TopKEntry* list = topk + r * k_top;
+      for (int64_t lb = 0; lb < num_blocks_; ++lb) {
+        const size_t off = static_cast<size_t>(r * num_blocks_ + lb);
+        k::TopKMerge(block_topk.data() + off * k_top, block_counts[off], static_cast<int>(k_top),
+                     list, &count);
+      }
+      counts[r] = count;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
+  const auto& layout = *ctx_.layout;
+  const int64_t nb_total = k::NumBlocks(job_.vocab);
+  auto record = [&](int rank) { return recv_.data() + static_cast<size_t>(rank) * msg_.bytes; };
+  // Owner rank of each global block.
+  std::vector<int> owner(static_cast<size_t>(nb_total));
+  for (const auto& s : layout) {
+    for (int64_t b = s.begin / k::kVocabBlock; b * k::kVocabBlock < s.end; ++b) owner[static_cast<size_t>(b)] = s.shard;
+  }
+  model_rows_.assign(static_cast<size_t>(rows), k::EmptyRowStats());
+  ref_rows_.assign(static_cast<size_t>(rows), k::EmptyRowStats());
+  pair_rows_.assign(static_cast<size_t>(rows), k::EmptyPairRowStats());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb_total; ++b) {
+      const int o = owner[static_cast<size_t>(b)];
+      const int64_t lb = b - layout[static_cast<size_t>(o)].begin / k::kVocabBlock;
+      const auto* st = reinterpret_cast<const k::PairBlockStats*>(record(o) + msg_.stats_offset) +
+                       r * msg_.max_blocks + lb;
+      if (with_ref_) {
+        k::FoldPairBlock(pair_rows_[static_cast<size_t>(r)], *st);
+      } else {
+        k::FoldBlock(model_rows_[static_cast<size_t>(r)], st->a);
+      }
+    }
+    if (with_ref_) {
+      model_rows_[static_cast<size_t>(r)] = pair_rows_[static_cast<size_t>(r)].a;
+      ref_rows_[static_cast<size_t>(r)] = pair_rows_[static_cast<size_t>(r)].b;
+    }
+  }
+  // Input errors: every rank sees the same folded flags, so every rank stops at the same row.
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t bad = k::kFlagNaN | k::kFlagPosInf;
+    const DistributionInput* culprit = nullptr;
+    if (model_rows_[static_cast<size_t>(r)].flags & bad) {
+      culprit = &job_.model;
+    } else if (with_ref_ && (ref_rows_[static_cast<size_t>(r)].flags & bad)) {
+      culprit = &job_.reference;
+    }
+    if (culprit != nullptr) {
+      const std::string what = culprit->hidden_mode()
+                                   ? absl::StrCat("logits computed from ", culprit->field, " row ",
+                                                  row0 + r, " with head '",
+                                                  culprit->head->weights().name, "'")
+                                   : absl::StrCat(culprit->field, " row ", row0 + r);
+      return absl::InvalidArgumentError(absl::StrCat(what, " contain NaN or +inf"));
+    }
+  }
+  if (rank_ != 0) return absl::OkStatus();
+
+  ScoreResult& out = *ctx_.result;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r;
+    const k::RowStats& m = model_rows_[static_cast<size_t>(r)];
+    for (int64_t j = 0; j < job_.ids_per_row; ++j) {
+      const size_t idx = static_cast<size_t>(row * job_.ids_per_row + j);
+      const int32_t id = job_.target_ids[idx];
+      if (id == job_.ignore_index) {
+        out.target_logprobs[idx] = 0.0f;
+        continue;
+      }
+      const int o = owner[static_cast<size_t>(id / k::kVocabBlock)];
+      const float z = reinterpret_cast<const float*>(record(o) + msg_.target_offset)[r * job_.ids_per_row + j];
+      out.target_logprobs[idx] = k::LogProb(z, m);
+    }
+    if (job_.top_k > 0) {
+      std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
+      int count = 0;
+      for (int o = 0; o < ctx_.comm->size(); ++o) {
+        const auto* l = reinterpret_cast<const k::TopKEntry*>(record(o) + msg_.topk_offset) + r * job_.top_k;
+        const int c = reinterpret_cast<const int32_t*>(record(o) + msg_.count_offset)[r];
+        k::TopKMerge(l, c, job_.top_k, list.data(), &count);
+      }
+      for (int64_t j = 0; j < job_.top_k; ++j) {
+        const size_t idx = static_cast<size_t>(row * job_.top_k + j);
+        out.top_k_ids[idx] = list[static_cast<size_t>(j)].id;
+        out.top_k_logprobs[idx] = k::LogProb(list[static_cast<size_t>(j)].value, m);
+      }
+    }
+    if (job_.entropy) out.entropy[static_cast<size_t>(row)] = k::Entropy(m);
+    if (job_.reference_entropy) out.reference_entropy[static_cast<size_t>(row)] = k::Entropy(ref_rows_[static_cast<size_t>(r)]);
+    // Model = a, reference = b: forward KL(ref || model) = KL(b || a).
+    if (job_.forward_kl || (job_.jsd_beta && *job_.jsd_beta == 0.0f)) {
+      const float f = k::KlBA(pair_rows_[static_cast<size_t>(r)]);
+      if (job_.forward_kl) out.forward_kl[static_cast<size_t>(row)] = f;
+      if (job_.jsd_beta && *job_.jsd_beta == 0.0f) out.jsd[static_cast<size_t>(row)] = f;
+    }
+    if (job_.reverse_kl || (job_.jsd_beta && *job_.jsd_beta == 1.0f)) {
+      const float rv = k::KlAB(pair_rows_[static_cast<size_t>(r)]);
+      if (job_.reverse_kl) out.reverse_kl[static_cast<size_t>(row)] = rv;
+      if (job_.jsd_beta && *job_.jsd_beta == 1.0f) out.jsd[static_cast<size_t>(row)] = rv;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
+  const float beta = *job_.jsd_beta;
+  const int64_t shard_width = shard_.end - shard_.begin;
+  std::vector<float> partial(static_cast<size_t>(kRowTile * msg_.max_blocks), 0.0f);
+  std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
+#pragma omp parallel num_threads(ctx_.threads)
+  {
+    std::vector<float> scratch_m(static_cast<size_t>(kRowTile * k::kVocabBlock));
+    std::vector<float> scratch_r(static_cast<size_t>(kRowTile * k::kVocabBlock));
+    std::vector<const float*> zm, zr;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t lb = 0; lb < num_blocks_; ++lb) {
+      const int64_t block = block_begin_ + lb;
+      const int64_t col0 = block * k::kVocabBlock;
+      const int64_t n = BlockWidth(job_.vocab, block);
+      if (keep_logits_) {
+        zm.resize(static_cast<size_t>(rows));
+        zr.resize(static_cast<size_t>(rows));
+        for (int64_t r = 0; r < rows; ++r) {
+          zm[static_cast<size_t>(r)] = keep_model_.data() + r * shard_width + (col0 - shard_.begin);
+          zr[static_cast<size_t>(r)] = keep_ref_.data() + r * shard_width + (col0 - shard_.begin);
+        }
+      } else {
+        absl::Status s = BlockLogits(job_.model, nullptr, row0, rows, block, scratch_m.data(), nullptr, &zm);
+        if (s.ok()) s = BlockLogits(job_.reference, nullptr, row0, rows, block, scratch_r.data(), nullptr, &zr);
+        if (!s.ok()) {
+          status[static_cast<size_t>(lb)] = s;
+          continue;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const k::RowStats& ms = model_rows_[static_cast<size_t>(r)];
+        const k::RowStats& rs = ref_rows_[static_cast<size_t>(r)];
+        if (k::AllMasked(ms) || k::AllMasked(rs)) continue;
+        partial[static_cast<size_t>(r * msg_.max_blocks + lb)] =
+            k::CpuJsdBlock(zm[static_cast<size_t>(r)], zr[static_cast<size_t>(r)], n, k::NormOf(ms),
+                           k::NormOf(rs), beta);
+      }
+    }
+  }
+  for (const auto& s : status) {
+    if (!s.ok()) return s;
+  }
+  const size_t bytes = partial.size() * sizeof(float);
+  std::vector<float> all(partial.size() * static_cast<size_t>(ctx_.comm->size()));
+  if (auto s = ctx_.comm->AllGather(partial.data(), all.data(), bytes); !s.ok()) return s;
+  if (rank_ != 0) return absl::OkStatus();
+  const auto& layout = *ctx_.layout;
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.0f;
+    for (const auto& s : layout) {  // shards are contiguous and ordered: global block order
+      const int64_t nb = (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock;
+      for (int64_t lb = 0; lb < nb; ++lb) {
+        sum += all[static_cast<size_t>(s.shard) * partial.size() + static_cast<size_t>(r * msg_.max_blocks + lb)];
+      }
+    }
+    const bool masked = k::AllMasked(model_rows_[static_cast<size_t>(r)]) ||
+                        k::AllMasked(ref_rows_[static_cast<size_t>(r)]);
+    ctx_.result->jsd[static_cast<size_t>(row0 + r)] = masked ? k::QuietNaN() : sum;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::Run() {
+  send_.assign(msg_.bytes, 0);
+  recv_.assign(msg_.bytes * static_cast<size_t>(ctx_.comm->size()), 0);
+  if (keep_logits_) {
+    const size_t n = static_cast<size_t>(kRowTile * (shard_.end - shard_.begin));
+    keep_model_.assign(n, 0.0f);
+    keep_ref_.assign(n, 0.0f);
+  }
+  for (int64_t row0 = 0; row0 < job_.rows; row0 += kRowTile) {
+    const int64_t rows = std::min(kRowTile, job_.rows - row0);
+    absl::Status s = ComputeTile(row0, rows);
+    // Every rank joins every collective even after a local failure, so no rank is left waiting;
+    // the failure is then reported after the exchange.
+    absl::Status g = ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes);
+    if (!s.ok()) return s;
+    if (!g.ok()) return g;
+    if (auto f = FoldTile(row0, rows); !f.ok()) return f;
+    if (jsd_pass_) {
+      if (auto j = JsdTile(row0, rows); !j.ok()) return j;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
+  const size_t n = static_cast<size_t>(job.rows);
+  *result = ScoreResult{};
+  result->target_logprobs.resize(n * static_cast<size_t>(job.ids_per_row));
+  result->top_k_ids.resize(n * static_cast<size_t>(job.top_k));
+  result->top_k_logprobs.resize(n * static_cast<size_t>(job.top_k));
+  if (job.entropy) result->entropy.resize(n);
+  if (job.reference_entropy) result->reference_entropy.resize(n);
+  if (job.forward_kl) result->forward_kl.resize(n);
+  if (job.reverse_kl) result->reverse_kl.resize(n);
+  if (job.jsd_beta) result->jsd.resize(n);
+  if (job.rows == 0) return absl::OkStatus();
+  if (job.top_k > k::kMaxTopK || job.top_k > job.vocab) {
+    return absl::InvalidArgumentError("top_k exceeds the vocabulary or the kernel cap");
+  }
+
+  const std::vector<ShardRange> layout = ShardLayout(job.vocab);
+  const int shards = static_cast<int>(layout.size());
+  auto comms = CreateInProcessCommunicators(shards);
+  if (!comms.ok()) return comms.status();
+  const int threads = std::max(1, options_.threads / shards);
+  std::vector<absl::Status> status(static_cast<size_t>(shards));
+  auto run_rank = [&](int r) {
+    RankContext ctx{&job, result, (*comms)[static_cast<size_t>(r)].get(), &layout, threads};
+    status[static_cast<size_t>(r)] = RankWorker(ctx).Run();
+  };
+  std::vector<std::thread> others;
+  for (int r = 1; r < shards; ++r) others.emplace_back(run_rank, r);
+  run_rank(0);
+  for (auto& t : others) t.join();
+  for (const auto& s : status) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options) {
+  if (options.shards < 1) return absl::InvalidArgumentError("--shards must be >= 1");
+  if (!options.shard_weights.empty() &&
+      static_cast<int>(options.shard_weights.size()) != options.shards) {
+    return absl::InvalidArgumentError("shard_weights must have one entry per shard");
+  }
+  for (int64_t w : options.shard_weights) {
+    if (w < 0) return absl::InvalidArgumentError("shard_weights must be >= 0");
+  }
+  return std::unique_ptr<Backend>(new CpuBackend(options));
+}
+
+}  // namespace logitserve
