@@ -121,8 +121,9 @@ HWY_INLINE VF ExpNonPositive(DF d, VF x) {
   return hn::IfThenElseZero(keep, r);
 }
 
-// Shifted logits are clamped here before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
-// (shift -inf) drop out of every sum without a select and without 0 * inf.
+// Shifted logits are clamped before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
+// (shift -inf) drop out of the s and w sums without a select and without 0 * inf. (For s and w
+// the clamp changes nothing else: exp of any shift below -104 is already 0 in fp32.)
 constexpr float kClampShift = -200.0f;
 
 // Max over n >= 0 values, and the NaN / +inf flags.
@@ -134,12 +135,12 @@ HWY_INLINE float MaxAndFlags(const float* HWY_RESTRICT z, int64_t n, uint32_t* f
   int64_t i = 0;
   for (; i + lanes <= n; i += lanes) {
     const VF x = hn::LoadU(d, z + i);
-    nan_mask = hn::Or(nan_mask, hn::Ne(x, x));
+    nan_mask = hn::Or(nan_mask, hn::IsNaN(x));
     vmax = hn::Max(vmax, x);
   }
   if (i < n) {
     const VF x = LoadTail(d, z + i, n - i, -HUGE_VALF);
-    nan_mask = hn::Or(nan_mask, hn::Ne(x, x));
+    nan_mask = hn::Or(nan_mask, hn::IsNaN(x));
     vmax = hn::Max(vmax, x);
   }
   if (!hn::AllFalse(d, nan_mask)) *flags |= kFlagNaN;
@@ -203,9 +204,10 @@ PairBlockStats PairBlockStatsImpl(const float* HWY_RESTRICT a, const float* HWY_
     wa = hn::MulAdd(ea, dac, wa);
     sb = hn::Add(sb, eb);
     wb = hn::MulAdd(eb, dbc, wb);
-    // Cross terms. A token only one side supports has weight 0 on the other side's sum, and
-    // raised a mismatch flag that overrides that direction's KL with +inf.
-    const VF diff = hn::Sub(dac, dbc);
+    // Cross terms over tokens both sides support, with the unclamped shifts: a deep but finite
+    // logit (b - m_b = -300) is underflow, not masking, and its KL term grows with it. A token
+    // only one side supports raised a mismatch flag, which overrides that direction with +inf.
+    const VF diff = hn::IfThenElseZero(hn::And(live_a, live_b), hn::Sub(da, db));
     cab = hn::MulAdd(ea, diff, cab);
     cba = hn::NegMulAdd(eb, diff, cba);
   }

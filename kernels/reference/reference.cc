@@ -22,9 +22,9 @@ bool HasNaN(std::span<const double> lp) {
 bool RowUndefined(std::span<const double> lp) { return lp.empty() || HasNaN(lp); }
 
 const uint8_t* RowPointer(const MatrixView& m, int64_t row) {
-  return static_cast<const uint8_t*>(m.data) +
-         static_cast<size_t>(row) * static_cast<size_t>(m.cols) *
-             static_cast<size_t>(kernels::SizeOf(m.type));
+  return static_cast<const uint8_t*>(m.data) + static_cast<size_t>(row) *
+                                                   static_cast<size_t>(m.cols) *
+                                                   static_cast<size_t>(kernels::SizeOf(m.type));
 }
 
 // Upcasts n elements of a row exactly.
@@ -80,8 +80,8 @@ double Kl(std::span<const double> lp_a, std::span<const double> lp_b) {
   if (RowUndefined(lp_a) || RowUndefined(lp_b)) return kNaN;
   long double kl = 0.0L;
   for (size_t j = 0; j < lp_a.size(); ++j) {
-    if (lp_a[j] == -kInf) continue;      // a masks it: no contribution
-    if (lp_b[j] == -kInf) return kInf;   // a supports, b masks (even if p_a underflows)
+    if (lp_a[j] == -kInf) continue;     // a masks it: no contribution
+    if (lp_b[j] == -kInf) return kInf;  // a supports, b masks (even if p_a underflows)
     kl += std::exp(lp_a[j]) * (lp_a[j] - lp_b[j]);
   }
   return static_cast<double>(kl);
@@ -144,8 +144,7 @@ double TargetLogProb(std::span<const double> lp, int32_t id, int32_t ignore_inde
   return lp[static_cast<size_t>(id)];
 }
 
-double TransformLogit(const HeadTransform& transform, double dot, double bias,
-                      double temperature) {
+double TransformLogit(const HeadTransform& transform, double dot, double bias, double temperature) {
   double x = dot + bias;
   if (transform.logit_scale != 1.0f) x *= static_cast<double>(transform.logit_scale);
   if (transform.logits_scaling != 1.0f) x /= static_cast<double>(transform.logits_scaling);
@@ -157,7 +156,9 @@ double TransformLogit(const HeadTransform& transform, double dot, double bias,
   return x;
 }
 
-std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab) {
+std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab,
+                              double* dot_magnitude) {
+  if (dot_magnitude != nullptr) *dot_magnitude = 0.0;
   const double temperature = input.temperature;
   if (!input.hidden_mode()) {
     std::vector<double> z = Upcast(input.logits.type, RowPointer(input.logits, row), vocab);
@@ -168,83 +169,89 @@ std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64
   }
   const HeadWeights& w = input.head->weights();
   const int64_t hidden = w.hidden_size;
-  const std::vector<double> h =
-      Upcast(input.hidden.type, RowPointer(input.hidden, row), hidden);
+  const std::vector<double> h = Upcast(input.hidden.type, RowPointer(input.hidden, row), hidden);
   const size_t row_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(SizeOf(w.dtype));
+  std::vector<double> wj(static_cast<size_t>(hidden));
   std::vector<double> z(static_cast<size_t>(vocab));
+  double magnitude = 0.0;
   for (int64_t j = 0; j < vocab; ++j) {
-    const uint8_t* wj = w.weight.data() + static_cast<size_t>(j) * row_bytes;
-    // Each product of two upcast fp32 values is exact in double (24 + 24 < 53 bits).
-    long double dot = 0.0L;
+    const uint8_t* wrow = w.weight.data() + static_cast<size_t>(j) * row_bytes;
+    for (int64_t i = 0; i < hidden; ++i) wj[i] = kernels::LoadAsFloat(w.dtype, wrow, i);
+    // Each product of two upcast fp32 values is exact in double (24 + 24 < 53 bits); the sum's
+    // error (<= H * 2^-53 relative to sum |h W|) is invisible next to fp32's 2^-24.
+    double dot = 0.0;
+    double abs_sum = 0.0;
     for (int64_t i = 0; i < hidden; ++i) {
-      dot += static_cast<long double>(h[i] * kernels::LoadAsFloat(w.dtype, wj, i));
+      dot += h[i] * wj[i];
+      abs_sum += std::abs(h[i] * wj[i]);
     }
+    magnitude = std::max(magnitude, abs_sum);
     const double bias = w.bias.empty() ? 0.0 : static_cast<double>(w.bias[j]);
-    z[j] = TransformLogit(w.transform, static_cast<double>(dot), bias, temperature);
+    z[j] = TransformLogit(w.transform, dot, bias, temperature);
   }
+  if (dot_magnitude != nullptr) *dot_magnitude = magnitude;
   return z;
 }
 
 double HiddenDotMagnitude(const DistributionInput& input, int64_t row, int64_t vocab) {
-  if (!input.hidden_mode()) return 0.0;
-  const HeadWeights& w = input.head->weights();
-  const int64_t hidden = w.hidden_size;
-  const std::vector<double> h =
-      Upcast(input.hidden.type, RowPointer(input.hidden, row), hidden);
-  const size_t row_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(SizeOf(w.dtype));
-  double out = 0.0;
-  for (int64_t j = 0; j < vocab; ++j) {
-    const uint8_t* wj = w.weight.data() + static_cast<size_t>(j) * row_bytes;
-    double sum = 0.0;
-    for (int64_t i = 0; i < hidden; ++i) {
-      sum += std::abs(h[i] * kernels::LoadAsFloat(w.dtype, wj, i));
-    }
-    out = std::max(out, sum);
+  double magnitude = 0.0;
+  if (input.hidden_mode()) RowLogits(input, row, vocab, &magnitude);
+  return magnitude;
+}
+
+ReferenceRow ScoreReferenceRow(const ScoreJob& job, int64_t row) {
+  ReferenceRow r;
+  constexpr double kNotRequested = std::numeric_limits<double>::quiet_NaN();
+  r.entropy = r.reference_entropy = r.forward_kl = r.reverse_kl = r.jsd = kNotRequested;
+  r.logits = RowLogits(job.model, row, job.vocab, &r.dot_magnitude);
+  r.logprobs = LogSoftmax(r.logits);
+  if (job.NeedsReference()) {
+    r.ref_logits = RowLogits(job.reference, row, job.vocab, &r.ref_dot_magnitude);
+    r.ref_logprobs = LogSoftmax(r.ref_logits);
   }
-  return out;
+  r.target_logprobs.resize(static_cast<size_t>(std::max(job.ids_per_row, 0)));
+  for (int32_t k = 0; k < job.ids_per_row; ++k) {
+    const size_t i = static_cast<size_t>(row) * job.ids_per_row + k;
+    r.target_logprobs[k] = TargetLogProb(r.logprobs, job.target_ids[i], job.ignore_index);
+  }
+  if (job.top_k > 0) r.top_k = TopK(r.logprobs, job.top_k);
+  if (job.entropy) r.entropy = Entropy(r.logprobs);
+  if (job.reference_entropy) r.reference_entropy = Entropy(r.ref_logprobs);
+  if (job.forward_kl) r.forward_kl = Kl(r.ref_logprobs, r.logprobs);
+  if (job.reverse_kl) r.reverse_kl = Kl(r.logprobs, r.ref_logprobs);
+  if (job.jsd_beta.has_value()) r.jsd = Jsd(r.logprobs, r.ref_logprobs, *job.jsd_beta);
+  return r;
 }
 
 ReferenceResult ScoreReference(const ScoreJob& job) {
-  ReferenceResult r;
+  ReferenceResult out;
   const size_t rows = static_cast<size_t>(job.rows);
-  const bool want_targets = job.ids_per_row > 0;
-  if (want_targets) r.target_logprobs.resize(rows * job.ids_per_row);
+  if (job.ids_per_row > 0) out.target_logprobs.resize(rows * job.ids_per_row);
   if (job.top_k > 0) {
-    r.top_k_ids.resize(rows * job.top_k);
-    r.top_k_logprobs.resize(rows * job.top_k);
+    out.top_k_ids.resize(rows * job.top_k);
+    out.top_k_logprobs.resize(rows * job.top_k);
   }
-  if (job.entropy) r.entropy.resize(rows);
-  if (job.reference_entropy) r.reference_entropy.resize(rows);
-  if (job.forward_kl) r.forward_kl.resize(rows);
-  if (job.reverse_kl) r.reverse_kl.resize(rows);
-  if (job.jsd_beta.has_value()) r.jsd.resize(rows);
-  const bool need_ref = job.NeedsReference();
-
-  for (int64_t row = 0; row < job.rows; ++row) {
-    const std::vector<double> lp = LogSoftmax(RowLogits(job.model, row, job.vocab));
-    std::vector<double> lp_ref;
-    if (need_ref) lp_ref = LogSoftmax(RowLogits(job.reference, row, job.vocab));
-    if (want_targets) {
-      for (int32_t k = 0; k < job.ids_per_row; ++k) {
-        const size_t i = static_cast<size_t>(row) * job.ids_per_row + k;
-        r.target_logprobs[i] = TargetLogProb(lp, job.target_ids[i], job.ignore_index);
-      }
+  if (job.entropy) out.entropy.resize(rows);
+  if (job.reference_entropy) out.reference_entropy.resize(rows);
+  if (job.forward_kl) out.forward_kl.resize(rows);
+  if (job.reverse_kl) out.reverse_kl.resize(rows);
+  if (job.jsd_beta.has_value()) out.jsd.resize(rows);
+  for (size_t row = 0; row < rows; ++row) {
+    const ReferenceRow r = ScoreReferenceRow(job, static_cast<int64_t>(row));
+    for (size_t k = 0; k < r.target_logprobs.size(); ++k) {
+      out.target_logprobs[row * job.ids_per_row + k] = r.target_logprobs[k];
     }
-    if (job.top_k > 0) {
-      const std::vector<TopKItem> top = TopK(lp, job.top_k);
-      for (size_t k = 0; k < top.size(); ++k) {
-        const size_t i = static_cast<size_t>(row) * job.top_k + k;
-        r.top_k_ids[i] = top[k].id;
-        r.top_k_logprobs[i] = top[k].logprob;
-      }
+    for (size_t k = 0; k < r.top_k.size(); ++k) {
+      out.top_k_ids[row * job.top_k + k] = r.top_k[k].id;
+      out.top_k_logprobs[row * job.top_k + k] = r.top_k[k].logprob;
     }
-    if (job.entropy) r.entropy[row] = Entropy(lp);
-    if (job.reference_entropy) r.reference_entropy[row] = Entropy(lp_ref);
-    if (job.forward_kl) r.forward_kl[row] = Kl(lp_ref, lp);
-    if (job.reverse_kl) r.reverse_kl[row] = Kl(lp, lp_ref);
-    if (job.jsd_beta.has_value()) r.jsd[row] = Jsd(lp, lp_ref, *job.jsd_beta);
+    if (job.entropy) out.entropy[row] = r.entropy;
+    if (job.reference_entropy) out.reference_entropy[row] = r.reference_entropy;
+    if (job.forward_kl) out.forward_kl[row] = r.forward_kl;
+    if (job.reverse_kl) out.reverse_kl[row] = r.reverse_kl;
+    if (job.jsd_beta.has_value()) out.jsd[row] = r.jsd;
   }
-  return r;
+  return out;
 }
 
 }  // namespace logitserve::reference

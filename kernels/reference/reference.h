@@ -68,18 +68,41 @@ double TargetLogProb(std::span<const double> lp, int32_t id, int32_t ignore_inde
 // The head transform and temperature applied to one raw dot product h . W_j in double, in the
 // order of Hugging Face's forward passes: x = dot + bias; x *= logit_scale; x /= logits_scaling;
 // x = c tanh(x / c) when c = softcap > 0; x /= temperature.
-double TransformLogit(const HeadTransform& transform, double dot, double bias,
-                      double temperature);
+double TransformLogit(const HeadTransform& transform, double dot, double bias, double temperature);
 
 // Logits of one row of a distribution input, in double.
 //   Logits mode: z_j = upcast(logits[row, j]) / temperature.
 //   Hidden mode: z_j = TransformLogit(sum_i h[row, i] W[j, i], bias_j, temperature), the product
 //   summed in double over exactly upcast elements.
-std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab);
+// When `dot_magnitude` is given it receives, in hidden mode, max_j sum_i |h[row, i] W[j, i]|: the
+// scale of an fp32 dot product's rounding error (|error| <= H u times it); 0 in logits mode.
+std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab,
+                              double* dot_magnitude = nullptr);
 
-// Hidden mode only: max_j sum_i |h[row, i] W[j, i]|, the scale of the rounding error of an fp32
-// dot product (|error| <= H * u * this). 0 in logits mode.
+// Hidden mode only: max_j sum_i |h[row, i] W[j, i]| (a full pass; RowLogits can return it for
+// free). 0 in logits mode.
 double HiddenDotMagnitude(const DistributionInput& input, int64_t row, int64_t vocab);
+
+// Everything the reference knows about one row of a job: the logits and log-probabilities of
+// both distributions and every requested output (NaN / empty where not requested).
+struct ReferenceRow {
+  std::vector<double> logits;      // model z (after transform and temperature)
+  std::vector<double> logprobs;    // model lp
+  double dot_magnitude = 0.0;      // see RowLogits
+  std::vector<double> ref_logits;  // reference z; empty unless the job needs the reference
+  std::vector<double> ref_logprobs;
+  double ref_dot_magnitude = 0.0;
+  std::vector<double> target_logprobs;  // [ids_per_row]
+  std::vector<TopKItem> top_k;          // [top_k]
+  double entropy = 0.0;                 // H(model)
+  double reference_entropy = 0.0;       // H(reference)
+  double forward_kl = 0.0;              // KL(reference || model)
+  double reverse_kl = 0.0;              // KL(model || reference)
+  double jsd = 0.0;                     // JSD_beta(student = model, teacher = reference)
+};
+
+// Scores row `row` of a job. REQUIRES: as ScoreReference.
+ReferenceRow ScoreReferenceRow(const ScoreJob& job, int64_t row);
 
 // Every output of a ScoreJob, in double, laid out exactly like ScoreResult; a vector is empty
 // when its output was not requested.

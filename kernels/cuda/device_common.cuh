@@ -1,0 +1,182 @@
+// Device-side helpers shared by the CUDA kernels (private to kernels/cuda): loading a block's
+// slice into registers with the transform, exp on the clamped shift, fixed-shape reductions.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "logitserve/kernels/cuda_kernels.h"
+
+namespace logitserve::kernels::cuda::detail {
+
+inline constexpr int kWarps = kBlockThreads / 32;
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+// Shifted logits are clamped here before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
+// (shift -inf, or an overflowed shift) drop out of every sum without a select and without 0 * inf.
+// Same constant and reasoning as the CPU kernels.
+inline constexpr float kClampShift = -200.0f;
+inline constexpr float kLog2e = 1.44269504088896341f;
+
+__device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float PosInfF() { return __int_as_float(0x7f800000); }
+
+// exp(x) for x <= 0 (x = -200 gives 0). See cuda_kernels.h for the accuracy argument.
+__device__ __forceinline__ float ExpNonPositive(float x) { return exp2f(x * kLog2e); }
+
+// The launch-time view of a LogitsSource.
+struct DeviceSource {
+  const void* data;
+  int64_t ld;
+  int64_t cols;
+  FloatType type;
+  bool vectorized;  // 16-byte loads are aligned for every (row, 8-aligned column)
+  LoadTransform t;
+};
+
+inline DeviceSource MakeDeviceSource(const LogitsSource& s) {
+  DeviceSource d;
+  d.data = s.data;
+  d.ld = s.ld;
+  d.cols = s.cols;
+  d.type = s.type;
+  const int64_t es = SizeOf(s.type);
+  d.vectorized = (reinterpret_cast<uintptr_t>(s.data) % 16 == 0) && ((s.ld * es) % 16 == 0);
+  d.t = s.transform;
+  return d;
+}
+
+__device__ __forceinline__ float TransformOne(const LoadTransform& t, int64_t c, float x) {
+  if (t.head) {
+    // A GEMM that adds exactly-zero partial products (see LaunchSplitToBf16) may turn -0 into +0;
+    // making every zero +0 keeps the bits equal whichever number of parts ran.
+    x = (x == 0.0f) ? 0.0f : x;
+    if (t.bias != nullptr) x = x + t.bias[c];
+    if (t.scale != 1.0f) x = t.divide_by_scale ? x / t.scale : x * t.scale;
+    if (t.softcap > 0.0f) x = t.softcap * tanhf(x / t.softcap);
+  }
+  if (t.temperature != 1.0f) x = x / t.temperature;
+  return x;
+}
+
+__device__ __forceinline__ float Bf16Bits(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ __forceinline__ float LoadRaw(const DeviceSource& s, int64_t row, int64_t c) {
+  const int64_t i = row * s.ld + c;
+  switch (s.type) {
+    case FloatType::kFloat32:
+      return static_cast<const float*>(s.data)[i];
+    case FloatType::kBFloat16:
+      return Bf16Bits(static_cast<const uint16_t*>(s.data)[i]);
+    case FloatType::kFloat16:
+    default:
+      return __half2float(static_cast<const __half*>(s.data)[i]);
+  }
+}
+
+// One logit after the transform; columns past s.cols are -inf.
+__device__ __forceinline__ float LoadOne(const DeviceSource& s, int64_t row, int64_t c) {
+  if (c >= s.cols) return NegInfF();
+  return TransformOne(s.t, c, LoadRaw(s, row, c));
+}
+
+// Elements [c, c + 8) of row `row` (c a multiple of 8) into v, transformed; past s.cols -inf.
+__device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_t c, float (&v)[8]) {
+  const int64_t n = s.cols - c;
+  if (n >= 8 && s.vectorized) {
+    const int64_t i = row * s.ld + c;
+    if (s.type == FloatType::kFloat32) {
+      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(s.data) + i);
+      const float4 x0 = p[0];
+      const float4 x1 = p[1];
+      v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w;
+      v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+    } else {
+      const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.data) + i);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (s.type == FloatType::kBFloat16) {
+          v[2 * k] = __uint_as_float(w[k] << 16);
+          v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        } else {
+          __half2 h;
+          memcpy(&h, &w[k], sizeof(h));
+          const float2 f = __half22float2(h);
+          v[2 * k] = f.x;
+          v[2 * k + 1] = f.y;
+        }
+      }
+    }
+    if (s.t.head || s.t.temperature != 1.0f) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = TransformOne(s.t, c + k, v[k]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = (k < n) ? TransformOne(s.t, c + k, LoadRaw(s, row, c + k)) : NegInfF();
+}
+
+// ---- Fixed-shape CTA reductions (kBlockThreads threads, all must call) ----------------------
+// Lanes combine with an xor butterfly (every lane ends with the same bits: IEEE addition is
+// commutative), then every thread adds the kWarps warp partials in one fixed tree. `smem` holds
+// kWarps floats per reduced value and is not reused before the next __syncthreads.
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  return x;
+}
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, off));
+  return x;
+}
+
+static_assert(kWarps == 8, "the fixed trees below combine 8 warps");
+
+__device__ __forceinline__ float Tree8Sum(const float* p) {
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+__device__ __forceinline__ float Tree8Max(const float* p) {
+  return fmaxf(fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3])), fmaxf(fmaxf(p[4], p[5]), fmaxf(p[6], p[7])));
+}
+
+// Reduces N values at once (sums), results in every thread. smem: [N][kWarps].
+template <int N>
+__device__ __forceinline__ void BlockSums(float (&x)[N], float* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = WarpSum(x[i]);
+    if (lane == 0) smem[i * kWarps + warp] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = Tree8Sum(smem + i * kWarps);
+}
+
+template <int N>
+__device__ __forceinline__ void BlockMaxes(float (&x)[N], float* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = WarpMax(x[i]);
+    if (lane == 0) smem[i * kWarps + warp] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = Tree8Max(smem + i * kWarps);
+}
+
+// Launch geometry of the (row, block) kernels: one CTA per (row, block), blocks of a row adjacent.
+inline unsigned GridFor(int64_t rows, int64_t blocks) {
+  return static_cast<unsigned>(rows * blocks);
+}
+
+}  // namespace logitserve::kernels::cuda::detail

@@ -1,0 +1,207 @@
+// CUDA kernels: host launchers only. Every pointer is device memory on the current device unless
+// a comment says otherwise; the caller owns all memory (these functions never allocate) and
+// passes the stream. Each launcher returns the launch's cudaError_t (errors of the kernel itself
+// surface at the next synchronisation, as usual in CUDA).
+//
+// The math is block_stats.h's: per (row, vocabulary block of kVocabBlock ids) a statistics record
+// laid out exactly as the CPU's (BlockStats / PairBlockStats), folded in global block order with
+// FoldBlock / FoldPairBlock, finished with LogProb / Entropy / KlAB / KlBA.
+//
+// Determinism: every reduction has a fixed shape. One CTA of kBlockThreads threads reads one block
+// of one row; thread t holds elements [8t, 8t + 8) in registers and accumulates them in index order;
+// warps combine lanes with a fixed xor-butterfly, and the 8 warp partials are added in a fixed
+// tree. Nothing depends on the grid size, the row count, the shard layout or the input dtype (every
+// input is converted exactly to fp32 first). Top-k uses a strict total order (Better), so its result
+// is unique whatever order candidates are seen in.
+//
+// Exponentials: exp2f(x * log2(e)) on clamped, non-positive x. exp2f is accurate to 2 ulp (CUDA
+// C Programming Guide, "Mathematical Functions"); the pre-scale rounds the argument by |x| u,
+// which moves a term exp(x) by |x| exp(x) u <= u / e relative to the block maximum's weight 1, far
+// inside the fp32 sum's own rounding. __expf / -use_fast_math are not used: their error grows with
+// |x|. Logarithms are logf (1 ulp). The build compiles these kernels with --fmad=false, so no
+// multiply-add is contracted behind the source's back (the CPU build uses -ffp-contract=off for the
+// same reason); fused multiply-adds are written as fmaf where wanted.
+//
+// Thread safety: launchers are stateless; concurrent calls on different streams are fine.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "logitserve/kernels/block_stats.h"
+#include "logitserve/kernels/cpu_kernels.h"  // TopKEntry, Better, kMaxTopK (shared definitions)
+#include "logitserve/kernels/dtype.h"
+
+namespace logitserve::kernels::cuda {
+
+// One CTA reads one vocabulary block: kBlockThreads threads x kElemsPerThread elements.
+inline constexpr int kBlockThreads = 256;
+inline constexpr int kElemsPerThread = 8;
+static_assert(kBlockThreads * kElemsPerThread == kVocabBlock, "one CTA covers one block");
+
+// Most ranks (vocabulary shards) a fold can combine.
+inline constexpr int kMaxRanks = 16;
+
+// The logit transform applied while loading, in Hugging Face's order:
+//   x (GEMM output; -0 made +0) + bias[c]; * scale or / scale; cap * tanh(x / cap); / temperature.
+// Logits mode uses only the temperature (head == false).
+struct LoadTransform {
+  bool head = false;             // hidden mode: x is a raw h . W^T from the GEMM
+  const float* bias = nullptr;   // device, indexed by source column; null = no bias
+  float scale = 1.0f;            // 1 = none
+  bool divide_by_scale = false;  // Granite's logits_scaling divides; Cohere's logit_scale multiplies
+  float softcap = 0.0f;          // 0 = none
+  float temperature = 1.0f;
+};
+
+// One distribution's logits for a range of vocabulary ids, as the kernels read them: element
+// (r, c) of `data` is the logit of row r (tile-local) and vocabulary id col0 + c. Columns past
+// `cols` read as -inf (masked). 16-byte vector loads are used when data and ld allow them.
+struct LogitsSource {
+  FloatType type = FloatType::kFloat32;
+  const void* data = nullptr;
+  int64_t ld = 0;    // elements between consecutive rows
+  int64_t col0 = 0;  // global vocabulary id of column 0: a multiple of kVocabBlock
+  int64_t cols = 0;  // valid columns
+  LoadTransform transform;
+  int64_t blocks() const { return (cols + kVocabBlock - 1) / kVocabBlock; }
+};
+
+// Block statistics of `rows` rows over every block of `a` (and `b`, when not null: the pair
+// statistics with KL cross terms and support-mismatch flags, both distributions over the same
+// ids). Record of (row r, source block j) goes to stats[r * stats_ld + stats_offset + j].
+// Single mode writes b = EmptyBlockStats() and zero cross terms.
+cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64_t rows,
+                             PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
+                             cudaStream_t stream);
+
+// For every row r < rows and j < ids_per_row whose id = ids[r * ids_per_row + j] lies in the
+// source's columns: targets[r * ids_per_row + j] = the logit z (after the transform). Other
+// entries are left untouched. `ids` are tile-local (the caller offsets the pointer).
+cudaError_t LaunchGatherTargets(const LogitsSource& a, int64_t rows, const int32_t* ids,
+                                int32_t ids_per_row, float* targets, cudaStream_t stream);
+
+// Offers every column of `a` to each row's running top-k list: lists[r * k .. r * k + k) holds
+// counts[r] entries, best first (Better); zero counts start empty lists. k <= kMaxTopK.
+cudaError_t LaunchTopKUpdate(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
+                             int32_t* counts, cudaStream_t stream);
+
+// What one rank contributes per row tile; every rank uses the same layout, so a gathered buffer
+// holds rank r's message at byte r * bytes. Sections (each 256-byte aligned):
+//   stats   [rows][max_blocks] PairBlockStats of the rank's blocks (local block index)
+//   topk    [rows][top_k] TopKEntry, best first, and count [rows] int32
+//   targets [rows][ids_per_row] float: z of each target id in the rank's shard
+struct TileMessage {
+  int64_t rows = 0;
+  int64_t max_blocks = 0;
+  int32_t top_k = 0;
+  int32_t ids_per_row = 0;
+  size_t stats_offset = 0;
+  size_t topk_offset = 0;
+  size_t count_offset = 0;
+  size_t target_offset = 0;
+  size_t bytes = 0;
+};
+TileMessage MakeTileMessage(int64_t rows, int64_t max_blocks, int32_t top_k, int32_t ids_per_row);
+
+// The vocabulary layout in blocks: rank r owns global blocks [begin[r], begin[r + 1]), ranks in
+// order, contiguous (a rank may own none).
+struct ShardBlocks {
+  int32_t ranks = 1;
+  int32_t begin[kMaxRanks + 1] = {};
+};
+
+// The gathered messages of every rank for one row tile.
+struct GatheredTile {
+  const uint8_t* messages = nullptr;
+  TileMessage layout;
+  ShardBlocks shards;
+  int64_t num_blocks = 0;  // global
+  bool pair = false;       // records hold pair statistics (a reference distribution is present)
+};
+
+// Folded statistics per tile row, for the JSD pass: a = model, b = reference (b unused unless
+// pair). Either may be null.
+struct FoldedRows {
+  RowStats* a = nullptr;
+  RowStats* b = nullptr;
+};
+
+// Job-wide outputs, indexed by global row (tile row + row0); a null pointer = not requested.
+struct RowOutputs {
+  const int32_t* target_ids = nullptr;  // [N * ids_per_row]
+  int32_t ids_per_row = 0;
+  int32_t ignore_index = -100;
+  float* target_logprobs = nullptr;  // [N * ids_per_row]
+  int32_t top_k = 0;
+  int32_t* top_k_ids = nullptr;      // [N * top_k]
+  float* top_k_logprobs = nullptr;   // [N * top_k]
+  float* entropy = nullptr;          // H(model)
+  float* reference_entropy = nullptr;
+  float* forward_kl = nullptr;  // KL(reference || model) = KlBA (a = model, b = reference)
+  float* reverse_kl = nullptr;  // KL(model || reference) = KlAB
+  // JSD at an endpoint copies a KL's bits: 1 = beta 0 (forward KL), 2 = beta 1 (reverse KL).
+  float* jsd = nullptr;
+  int32_t jsd_endpoint = 0;
+};
+
+// One thread per row: folds the gathered records in global block order (FoldBlock /
+// FoldPairBlock), stores the folded rows, records the first global row whose model (index 0) or
+// reference (index 1) distribution holds NaN / +inf with atomicMin into first_bad_row, and, when
+// `outputs` is not null, writes every requested output (top-k merged across ranks).
+cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0,
+                           FoldedRows folded, int32_t* first_bad_row, const RowOutputs* outputs,
+                           cudaStream_t stream);
+
+// JSD second pass, 0 < beta < 1: for each (row, block of s / t), the sum of the JSD_beta terms of
+// student s and teacher t normalised by their folded rows (the CPU's CpuJsdBlock formula).
+// partial of (row r, source block j) goes to partials[r * partials_ld + partials_offset + j];
+// rows where either side is all-masked get 0.
+cudaError_t LaunchJsdPartials(const LogitsSource& s, const LogitsSource& t, int64_t rows,
+                              const RowStats* folded_s, const RowStats* folded_t, float beta,
+                              float* partials, int64_t partials_ld, int64_t partials_offset,
+                              cudaStream_t stream);
+
+// Sums each row's gathered JSD partials (rank r's at partials + r * rank_stride, laid out as
+// above with partials_ld) in global block order into jsd[row0 + r]; NaN where either side is
+// all-masked.
+cudaError_t LaunchJsdFinish(const float* partials, size_t rank_stride, int64_t partials_ld,
+                            const ShardBlocks& shards, int64_t num_blocks, const RowStats* folded_s,
+                            const RowStats* folded_t, int64_t rows, int64_t row0, float* jsd,
+                            cudaStream_t stream);
+
+// ---- bf16 splitting (the hidden-mode GEMM's exact inputs) -----------------------------------
+//
+// An fp32 value x is split as x = hi + mid + lo, each a bf16 (8 significant bits): hi = x with its
+// low 16 bits cleared (truncation never overflows), mid = the same of x - hi (exact in fp32), lo =
+// x - hi - mid (at most 8 significant bits left: exact in bf16). bf16 values need one part, fp16
+// values two (11 significant bits), fp32 three. Products of bf16 parts are exact in the tensor
+// cores, so a GEMM over parts computes the same dot product as an fp32 GEMM on the exact values.
+// A value that needs fewer parts than given has zero trailing parts; adding those GEMMs changes no
+// bit, which is what makes hidden mode give the same bits for bf16, fp16 and fp32 inputs of equal
+// value. Non-finite values go into hi alone (NaN stays NaN, inf stays inf).
+inline constexpr int PartsFor(FloatType t) {
+  return t == FloatType::kBFloat16 ? 1 : (t == FloatType::kFloat16 ? 2 : 3);
+}
+
+// dst part p, element (r, c) at dst[p * part_stride + r * dst_ld + c], for r < dst_rows, c < dst_ld:
+// the split of src (r, c) (element at src_ld * r + c, of `type`) when r < rows and c < cols, else
+// 0. `parts` <= 3 (parts < PartsFor(type) drops the low parts: only for exact inputs).
+cudaError_t LaunchSplitToBf16(FloatType type, const void* src, int64_t src_ld, int64_t rows,
+                              int64_t cols, int parts, uint16_t* dst, int64_t dst_rows,
+                              int64_t dst_ld, size_t part_stride, cudaStream_t stream);
+
+// ---- Utilities -------------------------------------------------------------------------------
+
+// Reads `bytes` (a multiple of 16, 16-byte aligned) once with 16-byte loads and writes one word
+// per CTA to `sink` (>= 1024 words) so the reads cannot be optimised away: the read floor that
+// benchmarks compare with.
+cudaError_t LaunchReadFloor(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream);
+
+// cudaSuccess when the current device can run these kernels; cudaErrorNoKernelImageForDevice (or
+// cudaErrorInvalidDeviceFunction) when the binary holds no code for its architecture.
+cudaError_t CheckKernelImage();
+
+}  // namespace logitserve::kernels::cuda
