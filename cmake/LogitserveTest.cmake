@@ -11,6 +11,9 @@ function(logitserve_add_test)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 600)
   endif()
+  if(NOT T_LABELS)
+    set(T_LABELS unit)  # an empty LABELS value would swallow the next property name
+  endif()
   gtest_discover_tests(${T_NAME}
     DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT})

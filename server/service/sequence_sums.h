@@ -1,0 +1,25 @@
+// Per-sequence sums of per-token outputs (ScoreResponse.sequence_sums).
+//
+// The N rows of a request are `lengths.size()` consecutive sequences. For each sequence and each
+// per-token output that was computed, the sum over the sequence's counted rows:
+//   - a row is counted unless the request has target ids and every id of the row is
+//     ignore_index (a prompt / padding row); without target ids every row counts;
+//   - an ignored id contributes 0 to its target_logprobs column (the backend already gives 0).
+// Sums accumulate in double in row order (deterministic), then round once to float.
+//
+// Thread safety: a pure function; call it from any thread.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "logitserve/v1/logitserve.pb.h"
+#include "server/backend/backend.h"
+
+namespace logitserve {
+
+// REQUIRES: the lengths are >= 0 and sum to job.rows; `result` is the backend's result of `job`.
+void ComputeSequenceSums(const ScoreJob& job, absl::Span<const int64_t> lengths,
+                         const ScoreResult& result, v1::SequenceSums* out);
+
+}  // namespace logitserve

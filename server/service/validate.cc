@@ -1,0 +1,451 @@
+#include "server/service/validate.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace logitserve {
+
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "Tensor.data is little-endian and is read in place");
+
+constexpr int32_t kDefaultIgnoreIndex = -100;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
+
+std::string DTypeName(int dtype) {
+  if (v1::DType_IsValid(dtype)) return v1::DType_Name(static_cast<v1::DType>(dtype));
+  return absl::StrCat("unknown dtype ", dtype);
+}
+
+int64_t ItemSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::FLOAT32:
+    case v1::INT32:
+      return 4;
+    case v1::BFLOAT16:
+    case v1::FLOAT16:
+      return 2;
+    case v1::INT64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+enum class ElementKind { kFloat, kIndex };
+
+// Checks dtype, rank, dims and byte length of `t`; returns its dims.
+absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
+                                                 ElementKind kind, int min_rank, int max_rank,
+                                                 absl::string_view layout) {
+  const bool float_dtype =
+      t.dtype() == v1::FLOAT32 || t.dtype() == v1::BFLOAT16 || t.dtype() == v1::FLOAT16;
+  const bool index_dtype = t.dtype() == v1::INT32 || t.dtype() == v1::INT64;
+  if (kind == ElementKind::kFloat ? !float_dtype : !index_dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": dtype ", DTypeName(t.dtype()), " is not supported (expected ",
+        kind == ElementKind::kFloat ? "FLOAT32, BFLOAT16 or FLOAT16" : "INT32 or INT64", ")"));
+  }
+  const int rank = t.shape_size();
+  if (rank < min_rank || rank > max_rank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape ", ShapeString(t), " has rank ", rank, ", expected ", layout));
+  }
+  int64_t elements = 1;
+  for (int i = 0; i < rank; ++i) {
+    const int64_t dim = t.shape(i);
+    if (dim < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": dimension ", i, " of shape ", ShapeString(t), " is negative"));
+    }
+    if (__builtin_mul_overflow(elements, dim, &elements)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape ", ShapeString(t), " has too many elements"));
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(elements, ItemSize(t.dtype()), &bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape ", ShapeString(t), " has too many bytes"));
+  }
+  if (static_cast<uint64_t>(bytes) != t.data().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", t.data().size(),
+                                                   " bytes, but shape ", ShapeString(t), " of ",
+                                                   DTypeName(t.dtype()), " needs ", bytes));
+  }
+  return std::vector<int64_t>(t.shape().begin(), t.shape().end());
+}
+
+kernels::FloatType ToFloatType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::BFLOAT16:
+      return kernels::FloatType::kBFloat16;
+    case v1::FLOAT16:
+      return kernels::FloatType::kFloat16;
+    default:
+      return kernels::FloatType::kFloat32;
+  }
+}
+
+MatrixView ViewOf(const v1::Tensor& t, const std::vector<int64_t>& dims) {
+  return MatrixView{ToFloatType(t.dtype()), dims[0], dims[1], t.data().data()};
+}
+
+// Returns the index of the first NaN / +-inf among n elements, or -1. The exponent field is all
+// ones exactly for NaN and +-inf in every IEEE format, so the test is one mask per element.
+template <typename Bits>
+int64_t FirstNonFinite(const void* data, int64_t n, Bits exponent_mask) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (int64_t i = 0; i < n; ++i) {
+    Bits b;
+    std::memcpy(&b, p + i * sizeof(Bits), sizeof(Bits));
+    if ((b & exponent_mask) == exponent_mask) return i;
+  }
+  return -1;
+}
+
+// Whether any of the n elements is NaN / +-inf. With the sign cleared, an element is NaN or
+// +-inf exactly when it is >= `exponent_mask` (all exponent bits set); a max reduction over
+// non-negative signed integers has no branch and vectorises even at SSE2.
+template <typename Signed>
+bool AnyNonFinite(const void* data, int64_t n, Signed exponent_mask) {
+  constexpr Signed kAbsMask = std::numeric_limits<Signed>::max();
+  const auto* p = static_cast<const unsigned char*>(data);
+  Signed max_abs = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Signed b;
+    std::memcpy(&b, p + i * sizeof(Signed), sizeof(Signed));
+    const Signed abs_bits = static_cast<Signed>(b & kAbsMask);
+    max_abs = abs_bits > max_abs ? abs_bits : max_abs;
+  }
+  return max_abs >= exponent_mask;
+}
+
+// Hidden states must be finite: a NaN or +-inf would poison every logit of the row.
+absl::Status CheckHiddenFinite(const MatrixView& m, absl::string_view field) {
+  const int64_t item = kernels::SizeOf(m.type);
+  const auto* base = static_cast<const unsigned char*>(m.data);
+  for (int64_t r = 0; r < m.rows; ++r) {
+    const void* row = base + r * m.cols * item;
+    int64_t col = -1;
+    switch (m.type) {
+      case kernels::FloatType::kFloat32:
+        if (AnyNonFinite<int32_t>(row, m.cols, 0x7f800000)) {
+          col = FirstNonFinite<uint32_t>(row, m.cols, 0x7f800000u);
+        }
+        break;
+      case kernels::FloatType::kBFloat16:
+        if (AnyNonFinite<int16_t>(row, m.cols, 0x7f80)) {
+          col = FirstNonFinite<uint16_t>(row, m.cols, 0x7f80u);
+        }
+        break;
+      case kernels::FloatType::kFloat16:
+        if (AnyNonFinite<int16_t>(row, m.cols, 0x7c00)) {
+          col = FirstNonFinite<uint16_t>(row, m.cols, 0x7c00u);
+        }
+        break;
+    }
+    if (col >= 0) {
+      const float v = kernels::LoadAsFloat(m.type, row, col);
+      const char* what = std::isnan(v) ? "NaN" : (v > 0 ? "+inf" : "-inf");
+      return absl::InvalidArgumentError(absl::StrCat(field, ": row ", r, " contains ", what,
+                                                     " (column ", col,
+                                                     "); hidden states must be finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Field names of one side (model or reference) of a request, for error messages.
+struct SideNames {
+  const char* head;
+  const char* hidden;
+  const char* logits;
+  const char* version;
+};
+constexpr SideNames kModelNames{"head", "hidden", "logits", "head_version"};
+constexpr SideNames kReferenceNames{"reference_head", "reference_hidden", "reference_logits",
+                                    "reference_head_version"};
+
+struct SideInput {
+  const std::string& head;
+  bool has_hidden;
+  const v1::Tensor& hidden;
+  bool has_logits;
+  const v1::Tensor& logits;
+  std::optional<uint64_t> version_pin;
+};
+
+// Validates one distribution's input; fills `out` (views, head, field) and its version and
+// returns its [rows, vocab].
+absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(const SideInput& in,
+                                                         const SideNames& names, HeadResolver heads,
+                                                         const RequestLimits& limits,
+                                                         DistributionInput* out,
+                                                         uint64_t* version) {
+  if (in.has_hidden == in.has_logits) {
+    return absl::InvalidArgumentError(absl::StrCat("exactly one of ", names.hidden, " or ",
+                                                   names.logits, " must be set, got ",
+                                                   in.has_hidden ? "both" : "neither"));
+  }
+  if (in.has_logits) {
+    if (!in.head.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(names.head, ": '", in.head,
+                                                     "' must not be set with ", names.logits,
+                                                     " (logits are scored without a head)"));
+    }
+    if (in.version_pin.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(names.version, ": set, but ", names.logits, " use no head"));
+    }
+    absl::StatusOr<std::vector<int64_t>> dims =
+        CheckTensor(in.logits, names.logits, ElementKind::kFloat, 2, 2, "2 ([N, V])");
+    if (!dims.ok()) return dims.status();
+    const int64_t rows = (*dims)[0];
+    const int64_t vocab = (*dims)[1];
+    if (rows > limits.max_tokens_per_request) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(names.logits, ": ", rows, " rows exceed the server limit of ",
+                       limits.max_tokens_per_request, " (--max-tokens-per-request)"));
+    }
+    if (vocab < 1 || vocab > kInt32Max) {
+      return absl::InvalidArgumentError(absl::StrCat(names.logits, ": vocabulary size ", vocab,
+                                                     " is outside [1, ", kInt32Max, "]"));
+    }
+    out->logits = ViewOf(in.logits, *dims);
+    out->field = names.logits;
+    *version = 0;
+    return std::make_pair(rows, vocab);
+  }
+
+  if (in.head.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(names.head, ": required with ", names.hidden));
+  }
+  absl::StatusOr<std::vector<int64_t>> dims =
+      CheckTensor(in.hidden, names.hidden, ElementKind::kFloat, 2, 2, "2 ([N, H])");
+  if (!dims.ok()) return dims.status();
+  const int64_t rows = (*dims)[0];
+  if (rows > limits.max_tokens_per_request) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(names.hidden, ": ", rows, " rows exceed the server limit of ",
+                     limits.max_tokens_per_request, " (--max-tokens-per-request)"));
+  }
+  std::shared_ptr<const PreparedHead> head = heads(in.head);
+  if (head == nullptr) {
+    return absl::NotFoundError(absl::StrCat(names.head, ": no head named '", in.head, "'"));
+  }
+  const HeadWeights& w = head->weights();
+  if (in.version_pin.has_value() && *in.version_pin != w.version) {
+    return absl::FailedPreconditionError(absl::StrCat(names.version, ": pinned to ",
+                                                      *in.version_pin, ", but head '", in.head,
+                                                      "' is at version ", w.version));
+  }
+  if ((*dims)[1] != w.hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat(names.hidden, ": width ", (*dims)[1],
+                                                   " != hidden size ", w.hidden_size, " of ",
+                                                   names.head, " '", in.head, "'"));
+  }
+  out->hidden = ViewOf(in.hidden, *dims);
+  out->head = std::move(head);
+  out->field = names.hidden;
+  *version = w.version;
+  return std::make_pair(rows, w.vocab_size);
+}
+
+absl::Status CheckTemperature(bool has, float t, absl::string_view field) {
+  if (has && !(std::isfinite(t) && t > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must be finite and > 0, got ", t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
+                              int32_t ignore_index, ScoreJob* job) {
+  absl::StatusOr<std::vector<int64_t>> dims =
+      CheckTensor(t, "target_ids", ElementKind::kIndex, 1, 2, "1 ([N]) or 2 ([N, K])");
+  if (!dims.ok()) return dims.status();
+  if ((*dims)[0] != rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_ids: ", (*dims)[0], " rows != N = ", rows, " rows of the model input"));
+  }
+  const int64_t k = dims->size() == 2 ? (*dims)[1] : 1;
+  if (k > kInt32Max) {
+    return absl::InvalidArgumentError(absl::StrCat("target_ids: ", k, " ids per row is too many"));
+  }
+  const int64_t n = rows * k;  // == product(shape), checked by CheckTensor
+  job->ids_per_row = static_cast<int32_t>(k);
+  job->target_ids.resize(n);
+  const char* data = t.data().data();
+  const bool is64 = t.dtype() == v1::INT64;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t id;
+    if (is64) {
+      std::memcpy(&id, data + i * 8, 8);
+    } else {
+      int32_t id32;
+      std::memcpy(&id32, data + i * 4, 4);
+      id = id32;
+    }
+    if (id < kInt32Min || id > kInt32Max) {
+      return absl::InvalidArgumentError(absl::StrCat("target_ids: row ", i / k, ", column ", i % k,
+                                                     ": id ", id, " does not fit in int32"));
+    }
+    if (id != ignore_index && (id < 0 || id >= vocab)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "target_ids: row ", i / k, ", column ", i % k, ": id ", id, " is outside [0, ", vocab,
+          ") and is not ignore_index (", ignore_index, ")"));
+    }
+    job->target_ids[i] = static_cast<int32_t>(id);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
+                                                      HeadResolver heads,
+                                                      const RequestLimits& limits) {
+  ValidatedRequest v;
+  ScoreJob& job = v.job;
+
+  // Model side: shape, head, version, limits.
+  const SideInput model_in{
+      request.head(),
+      request.has_hidden(),
+      request.hidden(),
+      request.has_logits(),
+      request.logits(),
+      request.has_head_version() ? std::optional<uint64_t>(request.head_version()) : std::nullopt};
+  absl::StatusOr<std::pair<int64_t, int64_t>> model_shape =
+      ValidateSide(model_in, kModelNames, heads, limits, &job.model, &v.head_version);
+  if (!model_shape.ok()) return model_shape.status();
+  job.rows = model_shape->first;
+  job.vocab = model_shape->second;
+
+  // Scalar options.
+  if (absl::Status s =
+          CheckTemperature(request.has_temperature(), request.temperature(), "temperature");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckTemperature(request.has_reference_temperature(),
+                                        request.reference_temperature(), "reference_temperature");
+      !s.ok()) {
+    return s;
+  }
+  job.model.temperature = request.has_temperature() ? request.temperature() : 1.0f;
+  if (request.has_jsd_beta()) {
+    const float beta = request.jsd_beta();
+    if (!(beta >= 0.0f && beta <= 1.0f)) {  // also rejects NaN
+      return absl::InvalidArgumentError(absl::StrCat("jsd_beta: must be in [0, 1], got ", beta));
+    }
+    job.jsd_beta = beta;
+  }
+  if (request.top_k() > static_cast<uint32_t>(limits.max_top_k)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k: ", request.top_k(),
+                                                   " exceeds the server limit of ",
+                                                   limits.max_top_k, " (--max-top-k)"));
+  }
+  if (request.top_k() > job.vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k: ", request.top_k(), " exceeds the vocabulary size ", job.vocab));
+  }
+  job.top_k = static_cast<int32_t>(request.top_k());
+  job.entropy = request.entropy();
+  job.reference_entropy = request.reference_entropy();
+  job.forward_kl = request.forward_kl();
+  job.reverse_kl = request.reverse_kl();
+
+  // Reference side, only when an output needs it.
+  if (job.NeedsReference()) {
+    std::vector<std::string> users;
+    if (job.reference_entropy) users.push_back("reference_entropy");
+    if (job.forward_kl) users.push_back("forward_kl");
+    if (job.reverse_kl) users.push_back("reverse_kl");
+    if (job.jsd_beta.has_value()) users.push_back("jsd_beta");
+    if (!request.has_reference_hidden() && !request.has_reference_logits()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reference_hidden or reference_logits: required by ",
+                       absl::StrJoin(users, ", "), ", but neither is set"));
+    }
+    const SideInput ref_in{request.reference_head(),
+                           request.has_reference_hidden(),
+                           request.reference_hidden(),
+                           request.has_reference_logits(),
+                           request.reference_logits(),
+                           request.has_reference_head_version()
+                               ? std::optional<uint64_t>(request.reference_head_version())
+                               : std::nullopt};
+    absl::StatusOr<std::pair<int64_t, int64_t>> ref_shape = ValidateSide(
+        ref_in, kReferenceNames, heads, limits, &job.reference, &v.reference_head_version);
+    if (!ref_shape.ok()) return ref_shape.status();
+    if (ref_shape->first != job.rows) {
+      return absl::InvalidArgumentError(absl::StrCat(job.reference.field, ": ", ref_shape->first,
+                                                     " rows != ", job.rows, " rows of ",
+                                                     job.model.field));
+    }
+    if (ref_shape->second != job.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(job.reference.field, ": vocabulary size ", ref_shape->second,
+                       " != model vocabulary size ", job.vocab, " (of ", job.model.field, ")"));
+    }
+    job.reference.temperature =
+        request.has_reference_temperature() ? request.reference_temperature() : 1.0f;
+  }
+
+  // Target ids.
+  job.ignore_index = request.has_ignore_index() ? request.ignore_index() : kDefaultIgnoreIndex;
+  if (request.has_target_ids()) {
+    if (absl::Status s =
+            ConvertTargetIds(request.target_ids(), job.rows, job.vocab, job.ignore_index, &job);
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  // Sequence lengths.
+  if (request.sequence_lengths_size() > 0) {
+    int64_t sum = 0;
+    for (int i = 0; i < request.sequence_lengths_size(); ++i) {
+      const int64_t len = request.sequence_lengths(i);
+      if (len < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence_lengths: entry ", i, " is negative (", len, ")"));
+      }
+      if (__builtin_add_overflow(sum, len, &sum)) {
+        return absl::InvalidArgumentError("sequence_lengths: sum overflows int64");
+      }
+    }
+    if (sum != job.rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence_lengths: sum ", sum, " != N = ", job.rows));
+    }
+    v.sequence_lengths.assign(request.sequence_lengths().begin(), request.sequence_lengths().end());
+  }
+
+  // Last, the one check that reads every input byte: hidden states must be finite.
+  if (job.model.hidden_mode()) {
+    if (absl::Status s = CheckHiddenFinite(job.model.hidden, job.model.field); !s.ok()) return s;
+  }
+  if (job.reference.hidden_mode()) {
+    if (absl::Status s = CheckHiddenFinite(job.reference.hidden, job.reference.field); !s.ok()) {
+      return s;
+    }
+  }
+  return v;
+}
+
+}  // namespace logitserve

@@ -1,0 +1,55 @@
+// Request validation: turns a wire ScoreRequest into a backend ScoreJob, or explains exactly
+// which field (and row) is wrong. Runs completely before any compute is scheduled.
+//
+// Error codes: INVALID_ARGUMENT for malformed input, NOT_FOUND for an unknown head,
+// FAILED_PRECONDITION for a head-version pin that does not match, RESOURCE_EXHAUSTED for a
+// request over the server's size limits. Every message starts with the request field it is about.
+//
+// What the backend alone checks: NaN / +inf in input logits (and in logits computed from hidden
+// states) is found during the backend's single pass; Backend::Score reports it as
+// INVALID_ARGUMENT naming the field and row. NaN / +-inf in hidden states is found here.
+//
+// Zero copy: the MatrixViews of the returned job point into `request`'s bytes, so the request
+// must outlive the job. A reference input that no requested output needs is ignored (allowed,
+// not validated, not attached to the job).
+//
+// Thread safety: a pure function of its arguments; call it from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "logitserve/v1/logitserve.pb.h"
+#include "server/backend/backend.h"
+
+namespace logitserve {
+
+// Server limits a request is checked against (from the command line).
+struct RequestLimits {
+  int32_t max_top_k = 64;                  // --max-top-k (<= 1024)
+  int64_t max_tokens_per_request = 65536;  // --max-tokens-per-request (N)
+};
+
+// Looks a head up by name: the head currently served under it, or nullptr when there is none.
+using HeadResolver =
+    absl::FunctionRef<std::shared_ptr<const PreparedHead>(const std::string& name)>;
+
+struct ValidatedRequest {
+  ScoreJob job;
+  // Lengths of the packed sequences (sum == job.rows); empty when no sums were asked for.
+  std::vector<int64_t> sequence_lengths;
+  // Versions of the heads the job uses (0 in logits mode or when there is no reference).
+  uint64_t head_version = 0;
+  uint64_t reference_head_version = 0;
+};
+
+absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
+                                                      HeadResolver heads,
+                                                      const RequestLimits& limits);
+
+}  // namespace logitserve

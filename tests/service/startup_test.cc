@@ -1,0 +1,169 @@
+// Start-up and shutdown of the real `logitserve` binary: bad flags and bad head files fail
+// before listening with a non-zero exit and a clear message; SIGTERM / SIGINT exit 0.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "logitserve/v1/logitserve.grpc.pb.h"
+#include "tests/service/e2e_support.h"
+#include "tests/support/server_process.h"
+#include "tests/support/test_tensors.h"
+
+namespace logitserve::e2e {
+namespace {
+
+using ::logitserve::testing::FloatTensor;
+using ::logitserve::testing::ServerProcess;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const std::string kHead = "--synthetic-head=policy:vocab=100,hidden=8,seed=1";
+
+ServerProcess::ExitResult RunServer(std::vector<std::string> args) {
+  absl::StatusOr<ServerProcess::ExitResult> r = ServerProcess::RunToExit(std::move(args));
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : ServerProcess::ExitResult{-1, ""};
+}
+
+std::string TempFile(const std::string& name, const std::string& contents) {
+  const std::string path = ::testing::TempDir() + "/" + std::to_string(getpid()) + "_" + name;
+  std::ofstream(path, std::ios::binary) << contents;
+  return path;
+}
+
+TEST(StartupTest, MalformedSafetensorsFileFailsBeforeListening) {
+  // A header length far beyond the file, then junk.
+  const std::string path =
+      TempFile("bad.safetensors", std::string("\xff\xff\x00\x00\x00\x00\x00\x00{junk", 13));
+  const ServerProcess::ExitResult r = RunServer({"--head", "lm=" + path + ":lm_head.weight"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, AllOf(HasSubstr("lm"), HasSubstr(path), HasSubstr("error")));
+  EXPECT_THAT(r.output, Not(HasSubstr("listening on")));
+  std::remove(path.c_str());
+}
+
+TEST(StartupTest, MissingHeadFileFails) {
+  const ServerProcess::ExitResult r = RunServer({"--head", "lm=/nonexistent/x.safetensors:w"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("/nonexistent/x.safetensors"));
+}
+
+TEST(StartupTest, BadSyntheticHeadSyntaxFails) {
+  for (const std::string spec :
+       {"policy", "policy:vocab=10", "policy:vocab=10,hidden=4,seed=1,colour=red",
+        "policy:vocab=ten,hidden=4,seed=1", ":vocab=10,hidden=4,seed=1"}) {
+    const ServerProcess::ExitResult r = RunServer({"--synthetic-head", spec});
+    EXPECT_NE(r.exit_code, 0) << spec;
+    EXPECT_THAT(r.output, HasSubstr("synthetic-head")) << spec;
+    EXPECT_THAT(r.output, Not(HasSubstr("listening on"))) << spec;
+  }
+}
+
+TEST(StartupTest, NoHeadsFails) {
+  const ServerProcess::ExitResult r = RunServer({});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--synthetic-head"));
+}
+
+TEST(StartupTest, DuplicateHeadNamesFail) {
+  const ServerProcess::ExitResult r = RunServer({kHead, kHead});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("policy"));
+}
+
+TEST(StartupTest, CudaBackendInThisBuildExitsTwo) {
+  const ServerProcess::ExitResult r = RunServer({kHead, "--backend", "cuda"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("without CUDA"));
+}
+
+TEST(StartupTest, BadFlagValuesFail) {
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{kHead, "--max-top-k", "1025"},
+                                             {kHead, "--backend", "tpu"},
+                                             {kHead, "--no-such-flag"},
+                                             {kHead, "--threads", "-1"},
+                                             {kHead, "--log-level", "loud"}}) {
+    const ServerProcess::ExitResult r = RunServer(args);
+    EXPECT_NE(r.exit_code, 0) << args[1];
+    EXPECT_THAT(r.output, Not(HasSubstr("listening on"))) << args[1];
+  }
+}
+
+TEST(StartupTest, HelpListsEveryFlag) {
+  const ServerProcess::ExitResult r = RunServer({"--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* flag :
+       {"--listen", "--backend", "--head", "--synthetic-head", "--threads", "--shards", "--workers",
+        "--queue-size", "--max-top-k", "--max-tokens-per-request", "--max-receive-message-bytes",
+        "--drain-seconds", "--log-level"}) {
+    EXPECT_THAT(r.output, HasSubstr(flag));
+  }
+}
+
+TEST(ShutdownTest, SigtermAndSigintExitZero) {
+  for (int sig : {SIGTERM, SIGINT}) {
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start({kHead});
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_THAT((*server)->address(), ::testing::StartsWith("127.0.0.1:"));
+    {
+      // Serve one call first, so the shutdown path runs with live threads and a used port.
+      auto stub = v1::Scorer::NewStub(Connect((*server)->address()));
+      grpc::ClientContext context;
+      v1::ListHeadsResponse heads;
+      ASSERT_TRUE(stub->ListHeads(&context, v1::ListHeadsRequest(), &heads).ok());
+    }
+    EXPECT_EQ((*server)->Stop(sig), 0) << "signal " << sig;
+  }
+}
+
+TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
+  // A head large enough that one request computes for a while on the CPU backend.
+  const SyntheticHead big{"big", 32000, 256, 5};
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+      ServerProcess::Start({"--synthetic-head", big.Flag(), "--drain-seconds", "20"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::Scorer::NewStub(Connect((*server)->address()));
+  constexpr int64_t n = 512;
+  v1::ScoreRequest request;
+  request.set_head(big.name);
+  std::vector<float> h(n * big.hidden);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
+  *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
+  request.set_entropy(true);
+  v1::ScoreResponse warm;
+  ASSERT_TRUE(CallScore(*stub, request, &warm).ok());  // connected, and a measure of the cost
+  const absl::Duration compute = absl::Microseconds(warm.compute_us());
+
+  grpc::Status status;
+  v1::ScoreResponse response;
+  absl::Notification done;
+  std::thread caller([&] {
+    status = CallScore(*stub, request, &response);
+    done.Notify();
+  });
+  // Signal while the call is (very likely) being computed: a quarter of its compute time after
+  // sending, so it has arrived but not finished.
+  absl::SleepFor(std::max(absl::Milliseconds(20), compute / 4));
+  ASSERT_FALSE(done.HasBeenNotified()) << "compute too fast for this test: " << compute;
+  kill((*server)->pid(), SIGTERM);
+  caller.join();
+  EXPECT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
+  EXPECT_EQ(response.entropy_size(), n);
+  stub.reset();  // an idle connection would hold the graceful shutdown until its deadline
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+}  // namespace
+}  // namespace logitserve::e2e

@@ -1,0 +1,79 @@
+#include "tests/support/test_tensors.h"
+
+#include <cstring>
+#include <string>
+
+#include "logitserve/kernels/dtype.h"
+#include "server/heads/float16.h"
+
+namespace logitserve::testing {
+
+namespace {
+
+template <typename T>
+void Append(std::string* bytes, T value) {
+  char raw[sizeof(T)];
+  std::memcpy(raw, &value, sizeof(T));
+  bytes->append(raw, sizeof(T));
+}
+
+}  // namespace
+
+v1::Tensor FloatTensor(v1::DType dtype, std::span<const float> values,
+                       const std::vector<int64_t>& shape) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  std::string* bytes = t.mutable_data();
+  for (float v : values) {
+    switch (dtype) {
+      case v1::BFLOAT16:
+        Append(bytes, kernels::FloatToBFloat16(v));
+        break;
+      case v1::FLOAT16:
+        Append(bytes, FloatToFloat16(v));
+        break;
+      default:
+        Append(bytes, v);
+        break;
+    }
+  }
+  return t;
+}
+
+std::vector<float> RoundedTo(v1::DType dtype, std::span<const float> values) {
+  std::vector<float> out;
+  out.reserve(values.size());
+  for (float v : values) {
+    switch (dtype) {
+      case v1::BFLOAT16:
+        out.push_back(kernels::BFloat16ToFloat(kernels::FloatToBFloat16(v)));
+        break;
+      case v1::FLOAT16:
+        out.push_back(kernels::Float16ToFloat(FloatToFloat16(v)));
+        break;
+      default:
+        out.push_back(v);
+        break;
+    }
+  }
+  return out;
+}
+
+v1::Tensor IdTensor(v1::DType dtype, std::span<const int64_t> ids,
+                    const std::vector<int64_t>& shape) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  std::string* bytes = t.mutable_data();
+  for (int64_t id : ids) {
+    if (dtype == v1::INT64) {
+      Append(bytes, id);
+    } else {
+      Append(bytes, static_cast<int32_t>(id));
+    }
+  }
+  return t;
+}
+
+}  // namespace logitserve::testing
