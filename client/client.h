@@ -1,0 +1,205 @@
+// logitserve C++ client: a typed, blocking API over the logitserve.v1.Scorer and
+// grpc.health.v1.Health services.
+//
+//   auto client = logitserve::client::Client::Create("127.0.0.1:50051");
+//   logitserve::v1::ScoreRequest req;
+//   req.set_head("policy");
+//   *req.mutable_hidden() = logitserve::client::BFloat16TensorOf(hidden, {n, h});
+//   *req.mutable_target_ids() = logitserve::client::TensorOf(ids, {n});
+//   req.set_entropy(true);
+//   absl::StatusOr<logitserve::client::ScoreOutput> out = (*client)->Score(req);
+//
+// What the client adds over the raw stub:
+//   - a deadline on every RPC (ClientOptions::rpc_timeout, default 60 s);
+//   - bounded retries with exponential backoff on UNAVAILABLE (server starting, draining, or
+//     unreachable); Score, Health and ListHeads are idempotent, so a retry is always safe;
+//   - message-size limits raised to gRPC's maximum (the server's own limit is what binds);
+//   - automatic splitting of a Score request by rows when it exceeds the server's
+//     max_tokens_per_request or max_receive_message_bytes (as reported by ListHeads); see Score;
+//   - grpc::Status converted to absl::Status (same code, same message).
+//
+// Thread safety: a Client may be used from any number of threads at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/status.h"
+#include "logitserve/v1/logitserve.grpc.pb.h"
+
+namespace logitserve::client {
+
+struct ClientOptions {
+  // Deadline of each RPC attempt (each chunk of a split request gets its own).
+  absl::Duration rpc_timeout = absl::Seconds(60);
+
+  // Retries on UNAVAILABLE: at most max_attempts attempts per RPC in total; the k-th retry waits
+  // min(initial_backoff * backoff_multiplier^(k-1), max_backoff), less up to `backoff_jitter`
+  // of it drawn at random (so many clients do not retry in lockstep). The channel's reconnect
+  // backoff follows the same bounds, so a retry really tries to reconnect.
+  int max_attempts = 5;
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  double backoff_multiplier = 2.0;
+  absl::Duration max_backoff = absl::Seconds(2);
+  double backoff_jitter = 0.2;
+
+  // Largest message the client sends or accepts, bytes. gRPC's default receive limit (4 MiB) is
+  // far below a long request's top-k output; the server's --max-receive-message-bytes binds.
+  int max_message_bytes = 2147483647;
+
+  // Split Score requests that exceed the server's limits (see Client::Score).
+  bool split_requests = true;
+  // Rows per chunk when splitting; 0 = the server's max_tokens_per_request from ListHeads.
+  int64_t max_rows_per_request = 0;
+
+  // Sent as "authorization: Bearer <token>" on every RPC when non-empty.
+  std::string bearer_token;
+
+  // TLS: off = plaintext. PEM strings; empty root_certs = the system roots. A client certificate
+  // and key (both or neither) enable mutual TLS.
+  bool use_tls = false;
+  std::string tls_root_certs;
+  std::string tls_client_cert;
+  std::string tls_client_key;
+
+  // gRPC load-balancing policy, e.g. "round_robin" with a "dns:///host:port" target spreading
+  // requests over the replicas behind a headless Service. Empty = gRPC's default (pick_first).
+  std::string load_balancing_policy;
+};
+
+// Per-sequence sums (ScoreRequest.sequence_lengths set); field meanings as in
+// logitserve.v1.SequenceSums. Every value in nats.
+struct SequenceSumsOutput {
+  std::vector<float> target_logprobs;  // [S * K]
+  std::vector<float> entropy;          // [S]
+  std::vector<float> reference_entropy;
+  std::vector<float> forward_kl;
+  std::vector<float> reverse_kl;
+  std::vector<float> jsd;
+  std::vector<int64_t> token_count;  // [S] rows counted in each sum
+};
+
+// A Score result, fields named and laid out as in logitserve.v1.ScoreResponse. A vector is
+// empty when its output was not requested. Every value in nats; "model" = p, "reference" = q.
+struct ScoreOutput {
+  std::string request_id;
+  int64_t rows = 0;                      // N
+  uint32_t target_ids_per_row = 0;       // K (0 without target_ids)
+  uint32_t top_k = 0;                    // k
+  std::vector<float> target_logprobs;    // [N * K] log p(target), 0.0 where ignored
+  std::vector<int32_t> top_k_ids;        // [N * k] descending probability, ties by smaller id
+  std::vector<float> top_k_logprobs;     // [N * k]
+  std::vector<float> entropy;            // [N] H(p)
+  std::vector<float> reference_entropy;  // [N] H(q)
+  std::vector<float> forward_kl;         // [N] KL(q || p)
+  std::vector<float> reverse_kl;         // [N] KL(p || q)
+  std::vector<float> jsd;                // [N] JSD_beta(p, q)
+  std::optional<SequenceSumsOutput> sequence_sums;
+  uint64_t head_version = 0;  // 0 in logits mode
+  uint64_t reference_head_version = 0;
+  int64_t queue_us = 0;    // server queue time, summed over chunks
+  int64_t compute_us = 0;  // server compute time, summed over chunks
+  int chunks = 0;          // RPCs the request was split into (1 = not split)
+};
+
+struct ShardRange {
+  int32_t shard = 0;
+  int64_t vocab_begin = 0;  // ids [vocab_begin, vocab_end)
+  int64_t vocab_end = 0;
+};
+
+// A served head (logitserve.v1.HeadInfo).
+struct HeadInfo {
+  std::string name;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  uint64_t version = 0;
+  std::vector<ShardRange> shards;
+  bool has_bias = false;
+  float logit_scale = 1.0f;     // multiplier
+  float logits_scaling = 1.0f;  // divisor
+  float final_logit_softcapping = 0.0f;
+  std::string source;
+};
+
+struct ListHeadsOutput {
+  std::vector<HeadInfo> heads;
+  std::string backend;  // "cpu" or "cuda"
+  uint32_t max_top_k = 0;
+  int64_t max_tokens_per_request = 0;     // 0 = no limit reported
+  int64_t max_receive_message_bytes = 0;  // 0 = no limit reported
+};
+
+enum class ServingStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
+const char* ServingStatusName(ServingStatus status);  // "SERVING", ...
+
+// The one mapping from grpc::Status to absl::Status: same code (the numbering is shared), same
+// message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+class Client {
+ public:
+  // Creates a client for `target` ("host:port", "dns:///host:port", "unix:/path", ...). Does not
+  // connect: the first RPC does. Fails only on invalid options.
+  static absl::StatusOr<std::unique_ptr<Client>> Create(std::string target,
+                                                        ClientOptions options = {});
+
+  // Scores `request` (see logitserve.proto). When split_requests is on and the request has more
+  // rows than the server accepts in one message (max_tokens_per_request, or rows whose bytes
+  // exceed max_receive_message_bytes), the rows are sent as consecutive chunks and the outputs
+  // concatenated in row order; the server's batch invariance makes that bit-identical to one
+  // request. With sequence_lengths set, chunks hold whole sequences (a single sequence longer
+  // than the limit is INVALID_ARGUMENT). After the first chunk the head versions it used are
+  // pinned, so a head replaced mid-request fails with FAILED_PRECONDITION instead of mixing
+  // versions. An error in a chunk names the chunk's rows within the whole request.
+  absl::StatusOr<ScoreOutput> Score(const v1::ScoreRequest& request);
+
+  // grpc.health.v1.Health/Check; `service` "" asks about the whole server.
+  absl::StatusOr<ServingStatus> Health(const std::string& service = "");
+
+  absl::StatusOr<ListHeadsOutput> ListHeads();
+
+  const std::string& target() const { return target_; }
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  // The server's limits that govern splitting (0 = none).
+  struct Limits {
+    int64_t max_rows = 0;
+    int64_t max_bytes = 0;
+  };
+
+  Client(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  // Runs `rpc(context)` with a fresh context (deadline, auth) per attempt, retrying on
+  // UNAVAILABLE with backoff. Returns the last status.
+  template <typename Rpc>
+  grpc::Status CallWithRetry(Rpc&& rpc);
+  void PrepareContext(grpc::ClientContext& context) const;
+
+  absl::StatusOr<Limits> GetLimits();
+  absl::StatusOr<v1::ScoreResponse> ScoreOnce(const v1::ScoreRequest& request);
+
+  std::string target_;
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Scorer::Stub> scorer_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+
+  absl::Mutex mu_;
+  std::optional<Limits> limits_ ABSL_GUARDED_BY(mu_);  // fetched once, on the first Score
+};
+
+}  // namespace logitserve::client
