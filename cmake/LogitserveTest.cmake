@@ -16,6 +16,8 @@ function(logitserve_add_test)
   endif()
   gtest_discover_tests(${T_NAME}
     DISCOVERY_TIMEOUT 60
-    PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT})
+    PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+               # A GTEST_SKIP (e.g. no GPU) is reported by ctest as skipped, never as passed.
+               SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
 endfunction()
 include(GoogleTest)
