@@ -66,8 +66,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     out.w = sw[1];
   }
   if (threadIdx.x == 0) {
-    stats[row * stats_ld + stats_offset + blk] =
-        PairBlockStats{out, EmptyBlockStats(), 0.0f, 0.0f};
+    stats[row * stats_ld + stats_offset + blk] = PairBlockStats{out, EmptyBlockStats(), 0.0f, 0.0f};
   }
 }
 
@@ -113,9 +112,10 @@ __global__ void __launch_bounds__(kBlockThreads)
       acc[1] = fmaf(ea, dac, acc[1]);
       acc[2] += eb;
       acc[3] = fmaf(eb, dbc, acc[3]);
-      // Cross terms. A token only one side supports has weight 0 on the other side's sum, and
-      // raises a mismatch flag that overrides that direction's KL with +inf.
-      const float diff = dac - dbc;
+      // Cross terms over tokens both sides support, with the unclamped shifts: a deep but finite
+      // logit (b - m_b = -300) is underflow, not masking, and its KL term grows with it. A token
+      // only one side supports raised a mismatch flag, which overrides that direction with +inf.
+      const float diff = (live_a && live_b) ? da - db : 0.0f;
       acc[4] = fmaf(ea, diff, acc[4]);
       acc[5] = fmaf(-eb, diff, acc[5]);
     }
@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (threadIdx.x == 0) *out = beta * acc[0] + omb * acc[1];
 }
 
-__global__ void GatherTargetsKernel(DeviceSource a, int64_t col0, int64_t count,
-                                    const int32_t* ids, int32_t ids_per_row, float* targets) {
+__global__ void GatherTargetsKernel(DeviceSource a, int64_t col0, int64_t count, const int32_t* ids,
+                                    int32_t ids_per_row, float* targets) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count) return;
   const int64_t c = static_cast<int64_t>(ids[i]) - col0;
@@ -206,8 +206,8 @@ cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64
                                                           stats, stats_ld, stats_offset);
   } else {
     PairStatsKernel<<<grid, kBlockThreads, 0, stream>>>(detail::MakeDeviceSource(a),
-                                                        detail::MakeDeviceSource(*b), blocks,
-                                                        stats, stats_ld, stats_offset);
+                                                        detail::MakeDeviceSource(*b), blocks, stats,
+                                                        stats_ld, stats_offset);
   }
   return cudaGetLastError();
 }
@@ -247,7 +247,8 @@ TileMessage MakeTileMessage(int64_t rows, int64_t max_blocks, int32_t top_k, int
   m.ids_per_row = ids_per_row;
   const size_t r = static_cast<size_t>(rows);
   m.stats_offset = 0;
-  m.topk_offset = align(m.stats_offset + sizeof(PairBlockStats) * r * static_cast<size_t>(max_blocks));
+  m.topk_offset =
+      align(m.stats_offset + sizeof(PairBlockStats) * r * static_cast<size_t>(max_blocks));
   m.count_offset = align(m.topk_offset + sizeof(TopKEntry) * r * static_cast<size_t>(top_k));
   m.target_offset = align(m.count_offset + sizeof(int32_t) * r);
   m.bytes = align(m.target_offset + sizeof(float) * r * static_cast<size_t>(ids_per_row));

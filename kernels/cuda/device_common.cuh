@@ -83,7 +83,8 @@ __device__ __forceinline__ float LoadOne(const DeviceSource& s, int64_t row, int
 }
 
 // Elements [c, c + 8) of row `row` (c a multiple of 8) into v, transformed; past s.cols -inf.
-__device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_t c, float (&v)[8]) {
+__device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_t c,
+                                      float (&v)[8]) {
   const int64_t n = s.cols - c;
   if (n >= 8 && s.vectorized) {
     const int64_t i = row * s.ld + c;
@@ -117,7 +118,8 @@ __device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_
     return;
   }
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = (k < n) ? TransformOne(s.t, c + k, LoadRaw(s, row, c + k)) : NegInfF();
+  for (int k = 0; k < 8; ++k)
+    v[k] = (k < n) ? TransformOne(s.t, c + k, LoadRaw(s, row, c + k)) : NegInfF();
 }
 
 // ---- Fixed-shape CTA reductions (kBlockThreads threads, all must call) ----------------------
@@ -142,7 +144,8 @@ __device__ __forceinline__ float Tree8Sum(const float* p) {
   return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
 }
 __device__ __forceinline__ float Tree8Max(const float* p) {
-  return fmaxf(fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3])), fmaxf(fmaxf(p[4], p[5]), fmaxf(p[6], p[7])));
+  return fmaxf(fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3])),
+               fmaxf(fmaxf(p[4], p[5]), fmaxf(p[6], p[7])));
 }
 
 // Reduces N values at once (sums), results in every thread. smem: [N][kWarps].

@@ -14,8 +14,8 @@ constexpr uint32_t kBadInput = kFlagNaN | kFlagPosInf;
 constexpr int kRowThreads = 128;
 
 // Record (rank, row, local block) of the gathered messages.
-__device__ __forceinline__ const PairBlockStats& Record(const GatheredTile& t, int rank, int64_t row,
-                                                        int64_t local) {
+__device__ __forceinline__ const PairBlockStats& Record(const GatheredTile& t, int rank,
+                                                        int64_t row, int64_t local) {
   const auto* stats = reinterpret_cast<const PairBlockStats*>(
       t.messages + static_cast<size_t>(rank) * t.layout.bytes + t.layout.stats_offset);
   return stats[row * t.layout.max_blocks + local];
@@ -32,8 +32,8 @@ __device__ void WriteOutputs(const GatheredTile& t, int64_t r, int64_t row, cons
                              const RowStats& b, const PairRowStats& pair, const RowOutputs& o) {
   if (o.target_logprobs != nullptr) {
     auto targets = [&](int rank) {
-      return reinterpret_cast<const float*>(t.messages + static_cast<size_t>(rank) * t.layout.bytes +
-                                            t.layout.target_offset);
+      return reinterpret_cast<const float*>(
+          t.messages + static_cast<size_t>(rank) * t.layout.bytes + t.layout.target_offset);
     };
     for (int32_t j = 0; j < o.ids_per_row; ++j) {
       const int64_t idx = row * o.ids_per_row + j;
@@ -136,13 +136,14 @@ __global__ void __launch_bounds__(kRowThreads)
   jsd[row0 + r] = masked ? QuietNaN() : sum;
 }
 
-unsigned RowGrid(int64_t rows) { return static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads); }
+unsigned RowGrid(int64_t rows) {
+  return static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads);
+}
 
 }  // namespace
 
-cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0,
-                           FoldedRows folded, int32_t* first_bad_row, const RowOutputs* outputs,
-                           cudaStream_t stream) {
+cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0, FoldedRows folded,
+                           int32_t* first_bad_row, const RowOutputs* outputs, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (tile.shards.ranks < 1 || tile.shards.ranks > kMaxRanks) return cudaErrorInvalidValue;
   if (outputs != nullptr && outputs->top_k > kMaxTopK) return cudaErrorInvalidValue;
@@ -158,9 +159,8 @@ cudaError_t LaunchJsdFinish(const float* partials, size_t rank_stride, int64_t p
                             cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (shards.ranks < 1 || shards.ranks > kMaxRanks) return cudaErrorInvalidValue;
-  JsdFinishKernel<<<RowGrid(rows), kRowThreads, 0, stream>>>(partials, rank_stride, partials_ld,
-                                                              shards, num_blocks, folded_s,
-                                                              folded_t, rows, row0, jsd);
+  JsdFinishKernel<<<RowGrid(rows), kRowThreads, 0, stream>>>(
+      partials, rank_stride, partials_ld, shards, num_blocks, folded_s, folded_t, rows, row0, jsd);
   return cudaGetLastError();
 }
 

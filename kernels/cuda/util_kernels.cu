@@ -91,7 +91,7 @@ cudaError_t LaunchSplitToBf16(FloatType type, const void* src, int64_t src_ld, i
   const int64_t want = (total + kThreads - 1) / kThreads;
   const unsigned grid = static_cast<unsigned>(want < 65536 ? want : 65536);
   SplitKernel<<<grid, kThreads, 0, stream>>>(type, src, src_ld, rows, cols, parts, dst, dst_rows,
-                                              dst_ld, part_stride);
+                                             dst_ld, part_stride);
   return cudaGetLastError();
 }
 

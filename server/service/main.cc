@@ -21,6 +21,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/backend/backend.h"
+#if LOGITSERVE_HAVE_CUDA
+#include "server/backend/cuda/cuda_backend.h"
+#endif
 #include "server/heads/head_loader.h"
 #include "server/heads/head_store.h"
 #include "server/service/service.h"
@@ -42,6 +45,7 @@ struct Flags {
   std::string backend = "auto";
   std::vector<std::string> heads;
   std::vector<std::string> synthetic_heads;
+  std::vector<int> devices;
   int threads = 0;
   int shards = 1;
   int workers = 2;
@@ -67,6 +71,10 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--synthetic-head", f.synthetic_heads,
                  "Serve a deterministic random head: "
                  "NAME:vocab=V,hidden=H,seed=S[,dtype=bf16|fp16|fp32] (repeatable)");
+  app.add_option("--devices", f.devices,
+                 "CUDA devices to drive, comma-separated ordinals (default: every visible GPU)")
+      ->delimiter(',')
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", f.threads, "CPU backend compute threads (0 = all cores)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -137,14 +145,42 @@ absl::Status LoadHeads(const Flags& flags, Backend& backend, HeadStore& store) {
   return absl::OkStatus();
 }
 
-// The backend --backend asks for. Only the CPU backend exists in this build, so `auto` is the CPU
-// backend and `cuda` is refused before this is called (exit code kExitNoCuda).
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const Flags& flags) {
+// The backend --backend asks for. `cuda` fails with kExitNoCuda when this build has no CUDA or no
+// usable GPU (compute capability checked against the built architectures: never a kernel launch
+// failure at request time); `auto` falls back to the CPU backend with a warning.
+struct BackendChoice {
+  absl::StatusOr<std::unique_ptr<Backend>> backend;
+  int exit_code = kExitStartupError;  // when backend is not ok
+};
+
+BackendChoice CreateBackend(const Flags& flags) {
+#if LOGITSERVE_HAVE_CUDA
+  if (flags.backend != "cpu") {
+    const absl::Status usable = CheckCudaDevices(flags.devices);
+    if (usable.ok()) {
+      CudaBackendOptions options;
+      options.devices = flags.devices;
+      return {CreateCudaBackend(options)};
+    }
+    if (flags.backend == "cuda") {
+      return {absl::FailedPreconditionError(absl::StrCat(
+                  "--backend cuda: no usable GPU: ", usable.message())),
+              kExitNoCuda};
+    }
+    spdlog::warn("--backend auto: {}; using the CPU backend", std::string(usable.message()));
+  }
+#else
+  if (flags.backend == "cuda") {
+    return {absl::FailedPreconditionError(
+                "--backend cuda: this logitserve was built without CUDA; use --backend cpu"),
+            kExitNoCuda};
+  }
   if (flags.backend == "auto") spdlog::info("--backend auto: no CUDA in this build, using cpu");
+#endif
   CpuBackendOptions options;
   options.threads = flags.threads;
   options.shards = flags.shards;
-  return CreateCpuBackend(options);
+  return {CreateCpuBackend(options)};
 }
 
 // "HOST" of "HOST:PORT" ("[::1]" stays bracketed).
@@ -177,18 +213,16 @@ int Run(int argc, char** argv) {
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
 
-  if (flags.backend == "cuda") {
-    spdlog::error("--backend cuda: this logitserve was built without CUDA; use --backend cpu");
-    return kExitNoCuda;
-  }
   if (flags.heads.empty() && flags.synthetic_heads.empty()) {
     spdlog::error("no heads to serve: give at least one --head or --synthetic-head");
     return kExitStartupError;
   }
-  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(flags);
+  BackendChoice choice = CreateBackend(flags);
+  absl::StatusOr<std::unique_ptr<Backend>>& backend = choice.backend;
   if (!backend.ok()) {
-    spdlog::error("cannot create the {} backend: {}", flags.backend, backend.status().ToString());
-    return kExitStartupError;
+    spdlog::error("cannot create the {} backend: {}", flags.backend,
+                  std::string(backend.status().message()));
+    return choice.exit_code;
   }
   spdlog::info("backend {}: --threads {} (0 = all cores), --shards {}", (*backend)->name(),
                flags.threads, flags.shards);

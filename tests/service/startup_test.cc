@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@ namespace {
 using ::logitserve::testing::FloatTensor;
 using ::logitserve::testing::ServerProcess;
 using ::testing::AllOf;
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -82,10 +84,15 @@ TEST(StartupTest, DuplicateHeadNamesFail) {
   EXPECT_THAT(r.output, HasSubstr("policy"));
 }
 
-TEST(StartupTest, CudaBackendInThisBuildExitsTwo) {
+// Without a usable GPU (a build without CUDA, or no device visible, as in CI) `--backend cuda`
+// refuses to start with exit code 2 and says why; `auto` falls back to the CPU backend.
+TEST(StartupTest, CudaBackendWithoutGpuExitsTwo) {
+  // On the GPU machine the server would start and serve instead; that case is covered there.
+  if (std::getenv("LOGITSERVE_EXPECT_GPU") != nullptr) GTEST_SKIP() << "a GPU is expected here";
   const ServerProcess::ExitResult r = RunServer({kHead, "--backend", "cuda"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.output, HasSubstr("without CUDA"));
+  EXPECT_THAT(r.output, AnyOf(HasSubstr("without CUDA"), HasSubstr("no usable GPU")));
+  EXPECT_THAT(r.output, Not(HasSubstr("listening on")));
 }
 
 TEST(StartupTest, BadFlagValuesFail) {

@@ -8,11 +8,11 @@
 // FoldBlock / FoldPairBlock, finished with LogProb / Entropy / KlAB / KlBA.
 //
 // Determinism: every reduction has a fixed shape. One CTA of kBlockThreads threads reads one block
-// of one row; thread t holds elements [8t, 8t + 8) in registers and accumulates them in index order;
-// warps combine lanes with a fixed xor-butterfly, and the 8 warp partials are added in a fixed
-// tree. Nothing depends on the grid size, the row count, the shard layout or the input dtype (every
-// input is converted exactly to fp32 first). Top-k uses a strict total order (Better), so its result
-// is unique whatever order candidates are seen in.
+// of one row; thread t holds elements [8t, 8t + 8) in registers and accumulates them in index
+// order; warps combine lanes with a fixed xor-butterfly, and the 8 warp partials are added in a
+// fixed tree. Nothing depends on the grid size, the row count, the shard layout or the input dtype
+// (every input is converted exactly to fp32 first). Top-k uses a strict total order (Better), so
+// its result is unique whatever order candidates are seen in.
 //
 // Exponentials: exp2f(x * log2(e)) on clamped, non-positive x. exp2f is accurate to 2 ulp (CUDA
 // C Programming Guide, "Mathematical Functions"); the pre-scale rounds the argument by |x| u,
@@ -48,11 +48,12 @@ inline constexpr int kMaxRanks = 16;
 //   x (GEMM output; -0 made +0) + bias[c]; * scale or / scale; cap * tanh(x / cap); / temperature.
 // Logits mode uses only the temperature (head == false).
 struct LoadTransform {
-  bool head = false;             // hidden mode: x is a raw h . W^T from the GEMM
-  const float* bias = nullptr;   // device, indexed by source column; null = no bias
-  float scale = 1.0f;            // 1 = none
-  bool divide_by_scale = false;  // Granite's logits_scaling divides; Cohere's logit_scale multiplies
-  float softcap = 0.0f;          // 0 = none
+  bool head = false;            // hidden mode: x is a raw h . W^T from the GEMM
+  const float* bias = nullptr;  // device, indexed by source column; null = no bias
+  float scale = 1.0f;           // 1 = none
+  bool divide_by_scale =
+      false;             // Granite's logits_scaling divides; Cohere's logit_scale multiplies
+  float softcap = 0.0f;  // 0 = none
   float temperature = 1.0f;
 };
 
@@ -136,9 +137,9 @@ struct RowOutputs {
   int32_t ignore_index = -100;
   float* target_logprobs = nullptr;  // [N * ids_per_row]
   int32_t top_k = 0;
-  int32_t* top_k_ids = nullptr;      // [N * top_k]
-  float* top_k_logprobs = nullptr;   // [N * top_k]
-  float* entropy = nullptr;          // H(model)
+  int32_t* top_k_ids = nullptr;     // [N * top_k]
+  float* top_k_logprobs = nullptr;  // [N * top_k]
+  float* entropy = nullptr;         // H(model)
   float* reference_entropy = nullptr;
   float* forward_kl = nullptr;  // KL(reference || model) = KlBA (a = model, b = reference)
   float* reverse_kl = nullptr;  // KL(model || reference) = KlAB
@@ -151,9 +152,8 @@ struct RowOutputs {
 // FoldPairBlock), stores the folded rows, records the first global row whose model (index 0) or
 // reference (index 1) distribution holds NaN / +inf with atomicMin into first_bad_row, and, when
 // `outputs` is not null, writes every requested output (top-k merged across ranks).
-cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0,
-                           FoldedRows folded, int32_t* first_bad_row, const RowOutputs* outputs,
-                           cudaStream_t stream);
+cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0, FoldedRows folded,
+                           int32_t* first_bad_row, const RowOutputs* outputs, cudaStream_t stream);
 
 // JSD second pass, 0 < beta < 1: for each (row, block of s / t), the sum of the JSD_beta terms of
 // student s and teacher t normalised by their folded rows (the CPU's CpuJsdBlock formula).
@@ -186,9 +186,9 @@ inline constexpr int PartsFor(FloatType t) {
   return t == FloatType::kBFloat16 ? 1 : (t == FloatType::kFloat16 ? 2 : 3);
 }
 
-// dst part p, element (r, c) at dst[p * part_stride + r * dst_ld + c], for r < dst_rows, c < dst_ld:
-// the split of src (r, c) (element at src_ld * r + c, of `type`) when r < rows and c < cols, else
-// 0. `parts` <= 3 (parts < PartsFor(type) drops the low parts: only for exact inputs).
+// dst part p, element (r, c) at dst[p * part_stride + r * dst_ld + c], for r < dst_rows, c <
+// dst_ld: the split of src (r, c) (element at src_ld * r + c, of `type`) when r < rows and c <
+// cols, else 0. `parts` <= 3 (parts < PartsFor(type) drops the low parts: only for exact inputs).
 cudaError_t LaunchSplitToBf16(FloatType type, const void* src, int64_t src_ld, int64_t rows,
                               int64_t cols, int parts, uint16_t* dst, int64_t dst_rows,
                               int64_t dst_ld, size_t part_stride, cudaStream_t stream);

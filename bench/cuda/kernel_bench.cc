@@ -1,0 +1,601 @@
+// logitserve-kernel-bench: the CUDA backend against the hardware floors of SPEC §9, measured in the
+// same run, and a correctness check of sampled rows against fp64 (#wrong, as nccl-tests reports).
+//
+//   logitserve-kernel-bench [--rows 8192] [--vocab 75968] [--dtypes bf16,fp16,fp32] [--iters 10]
+//                           [--hidden-rows 8192] [--hidden 4096] [--hidden-vocab 151936]
+//                           [--no-logits] [--no-hidden] [--json FILE]
+//
+// Logits mode: each op is one CudaBackend::Score over device-resident logits (read in place; no
+// host copy), timed wall-clock around Score (it returns after the outputs are back on the host),
+// best of --iters after warm-up. Floor: the time to read the op's input bytes (one tensor for
+// logprobs / entropy / top-k, two for KL / JSD) with a plain 16-byte-load reduction kernel, timed
+// with CUDA events in the same run; ratio = time / floor. A device-to-device copy of one tensor is
+// printed too (read + write bandwidth).
+//
+// Hidden mode (N x H x V): policy + reference heads (bf16), outputs target logprobs + entropy of
+// both + forward KL, against two bare cuBLASLt bf16 GEMMs of the same shape (the best heuristic
+// algorithm, bf16 output); also the backend's fixed 512 x 8192 tile GEMMs alone (the GEMM cost of
+// the pipeline without the statistics), and two GPUs when visible (SPEC: >= 1.9x one GPU).
+//
+// Exit status: 0, or 3 when any sampled row is outside the backstop tolerance
+// |err| <= 1e-4 + 1e-5 |x| (the tests hold far tighter, derived tolerances).
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "bench/cuda/bench_fill.h"
+#include "kernels/reference/reference.h"
+#include "logitserve/kernels/cuda_kernels.h"
+#include "logitserve/kernels/dtype.h"
+#include "nlohmann/json.hpp"
+#include "server/backend/backend.h"
+#include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/cuda/cuda_tile_gemm.h"
+
+namespace {
+
+using logitserve::DistributionInput;
+using logitserve::ScoreJob;
+using logitserve::ScoreResult;
+using logitserve::kernels::FloatType;
+namespace kc = logitserve::kernels::cuda;
+
+#define CHECK_CUDA(expr)                                                         \
+  do {                                                                           \
+    const auto e_ = (expr);                                                      \
+    if (static_cast<int>(e_) != 0) {                                             \
+      std::fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #expr, \
+                   static_cast<int>(e_));                                        \
+      std::exit(1);                                                              \
+    }                                                                            \
+  } while (0)
+
+template <typename F>
+double BestWallMs(int warmup, int iters, F&& f) {
+  for (int i = 0; i < warmup; ++i) f();
+  double best = 1e30;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    best = std::min(
+        best,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+// Best of `iters` CUDA-event timings of `f` enqueued on `stream`.
+template <typename F>
+double BestEventMs(cudaStream_t stream, int warmup, int iters, F&& f) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) f();
+  double best = 1e30;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, stream));
+    f();
+    CHECK_CUDA(cudaEventRecord(b, stream));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    best = std::min(best, static_cast<double>(ms));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return best;
+}
+
+void* DeviceAlloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, bytes));
+  return p;
+}
+
+std::string Name(FloatType t) {
+  return t == FloatType::kFloat32 ? "fp32" : (t == FloatType::kBFloat16 ? "bf16" : "fp16");
+}
+
+bool Wrong(double got, double want) {
+  if (std::isnan(want)) return !std::isnan(got);
+  if (std::isinf(want)) return got != want;
+  return !(std::abs(got - want) <= 1e-4 + 1e-5 * std::abs(want));
+}
+
+// A row of a device matrix decoded to double.
+std::vector<double> DeviceRow(const void* data, FloatType t, int64_t cols, int64_t row) {
+  const int64_t es = logitserve::kernels::SizeOf(t);
+  std::vector<uint8_t> bytes(static_cast<size_t>(cols * es));
+  CHECK_CUDA(cudaMemcpy(bytes.data(), static_cast<const uint8_t*>(data) + row * cols * es,
+                        bytes.size(), cudaMemcpyDeviceToHost));
+  std::vector<double> z(static_cast<size_t>(cols));
+  for (int64_t j = 0; j < cols; ++j)
+    z[static_cast<size_t>(j)] = logitserve::kernels::LoadAsFloat(t, bytes.data(), j);
+  return z;
+}
+
+double FreeDeviceBytes(int device) {
+  size_t free_b = 0, total = 0;
+  cudaSetDevice(device);
+  cudaMemGetInfo(&free_b, &total);
+  return static_cast<double>(free_b);
+}
+
+// Two bare cuBLASLt bf16 GEMMs out[n, v] = h[n, k] . W[v, k]^T (bf16 out, fp32 accumulate), the
+// heuristic's first choice: the reference point of hidden mode.
+double BareGemmMs(int64_t n, int64_t k, int64_t v, const void* h1, const void* h2, const void* w1,
+                  const void* w2, int iters, std::string* algo) {
+  cublasLtHandle_t lt;
+  CHECK_CUDA(cublasLtCreate(&lt));
+  cublasLtMatmulDesc_t desc;
+  CHECK_CUDA(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  CHECK_CUDA(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  CHECK_CUDA(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  cublasLtMatrixLayout_t la, lb, lc;
+  CHECK_CUDA(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, v, k));
+  CHECK_CUDA(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, n, k));
+  CHECK_CUDA(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, v, n, v));
+  cublasLtMatmulPreference_t pref;
+  CHECK_CUDA(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws_bytes = logitserve::kCublasWorkspaceBytes;
+  CHECK_CUDA(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &ws_bytes, sizeof(ws_bytes)));
+  cublasLtMatmulHeuristicResult_t res{};
+  int returned = 0;
+  CHECK_CUDA(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &res, &returned));
+  if (returned < 1) {
+    std::fprintf(stderr, "no cuBLASLt algorithm for the bare GEMM\n");
+    std::exit(1);
+  }
+  int32_t id = 0, tile = 0, split = 0;
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id),
+                                       &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile),
+                                       &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
+                                       sizeof(split), &written);
+  *algo = "algo id " + std::to_string(id) + ", tile " + std::to_string(tile) + ", split-k " +
+          std::to_string(split);
+  void* out = DeviceAlloc(static_cast<size_t>(n * v) * 2);
+  void* ws = DeviceAlloc(ws_bytes);
+  cudaStream_t s;
+  CHECK_CUDA(cudaStreamCreate(&s));
+  const float alpha = 1.0f, beta = 0.0f;
+  const double ms = BestEventMs(s, 1, iters, [&] {
+    CHECK_CUDA(cublasLtMatmul(lt, desc, &alpha, w1, la, h1, lb, &beta, out, lc, out, lc, &res.algo,
+                              ws, res.workspaceSize, s));
+    CHECK_CUDA(cublasLtMatmul(lt, desc, &alpha, w2, la, h2, lb, &beta, out, lc, out, lc, &res.algo,
+                              ws, res.workspaceSize, s));
+  });
+  cudaStreamDestroy(s);
+  cudaFree(out);
+  cudaFree(ws);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(desc);
+  cublasLtDestroy(lt);
+  return ms;
+}
+
+// A synthetic bf16 head [v, k], entries ~ uniform with standard deviation `stddev` (host).
+std::shared_ptr<logitserve::HeadWeights> SyntheticHead(const std::string& name, int64_t v,
+                                                       int64_t k, float stddev, uint64_t seed) {
+  auto w = std::make_shared<logitserve::HeadWeights>();
+  w->name = name;
+  w->vocab_size = v;
+  w->hidden_size = k;
+  w->dtype = FloatType::kBFloat16;
+  w->weight.resize(static_cast<size_t>(v * k) * 2);
+  auto* bits = reinterpret_cast<uint16_t*>(w->weight.data());
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  const float scale = stddev * std::sqrt(3.0f) / 2147483648.0f;  // uniform(-a, a), a = sqrt(3) std
+  for (size_t i = 0; i < static_cast<size_t>(v * k); ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    bits[i] = logitserve::kernels::FloatToBFloat16(
+        static_cast<float>(static_cast<int32_t>(x >> 32)) * scale);
+  }
+  w->source = "synthetic:bench";
+  return w;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"logitserve CUDA kernel benchmark (SPEC §9)"};
+  int64_t rows = 8192, vocab = 75968, hrows = 8192, hidden = 4096, hvocab = 151936;
+  int iters = 10, hidden_iters = 3;
+  std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
+  bool no_logits = false, no_hidden = false;
+  std::string json_path;
+  app.add_option("--rows", rows, "logits mode: token rows N");
+  app.add_option("--vocab", vocab, "logits mode: vocabulary V");
+  app.add_option("--dtypes", dtypes, "logits mode: input dtypes")->delimiter(',');
+  app.add_option("--iters", iters, "logits mode: timed repetitions (best is reported)");
+  app.add_option("--hidden-rows", hrows, "hidden mode: token rows N");
+  app.add_option("--hidden", hidden, "hidden mode: hidden size H");
+  app.add_option("--hidden-vocab", hvocab, "hidden mode: vocabulary V");
+  app.add_option("--hidden-iters", hidden_iters, "hidden mode: timed repetitions");
+  app.add_flag("--no-logits", no_logits, "skip logits mode");
+  app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
+  app.add_option("--json", json_path, "also write results as JSON");
+  CLI11_PARSE(app, argc, argv);
+
+  if (absl::Status s = logitserve::CheckCudaDevices(); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  int devices = 0;
+  CHECK_CUDA(cudaGetDeviceCount(&devices));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("logitserve-kernel-bench: %s, %d SMs, L2 %.0f MB, %.1f GB, %d device(s)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize / 1e6, prop.totalGlobalMem / 1e9, devices);
+  nlohmann::json out;
+  out["device"] = prop.name;
+  out["devices"] = devices;
+  int total_wrong = 0;
+  cudaStream_t stream;
+  CHECK_CUDA(cudaSetDevice(0));
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  uint32_t* sink = static_cast<uint32_t*>(DeviceAlloc(1024 * sizeof(uint32_t)));
+
+  if (!no_logits) {
+    const double free_before = FreeDeviceBytes(0);
+    logitserve::CudaBackendOptions options;
+    options.devices = {0};
+    auto backend = logitserve::CreateCudaBackend(options);
+    if (!backend.ok()) {
+      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+      return 1;
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i)
+      ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);
+    struct Op {
+      std::string name;
+      int reads;
+      std::function<void(ScoreJob&)> set;
+    };
+    const std::vector<Op> ops = {
+        {"logprobs", 1, [](ScoreJob& j) { j.ids_per_row = 1; }},
+        {"entropy", 1, [](ScoreJob& j) { j.entropy = true; }},
+        {"top_k=64", 1, [](ScoreJob& j) { j.top_k = 64; }},
+        {"kl (fwd+rev)", 2, [](ScoreJob& j) { j.forward_kl = j.reverse_kl = true; }},
+        {"jsd(0.5)", 2, [](ScoreJob& j) { j.jsd_beta = 0.5f; }},
+    };
+    std::printf("\nlogits mode [%ld x %ld], CudaBackend on GPU 0, device-resident inputs\n",
+                static_cast<long>(rows), static_cast<long>(vocab));
+    std::printf("%-6s %-14s %10s %10s %10s %8s %7s\n", "dtype", "op", "time_ms", "GB/s", "floor_ms",
+                "ratio", "#wrong");
+    for (const std::string& dname : dtypes) {
+      const FloatType t = dname == "fp32"
+                              ? FloatType::kFloat32
+                              : (dname == "fp16" ? FloatType::kFloat16 : FloatType::kBFloat16);
+      const size_t count = static_cast<size_t>(rows * vocab);
+      const size_t bytes = count * static_cast<size_t>(logitserve::kernels::SizeOf(t));
+      void* a = DeviceAlloc(bytes);
+      void* b = DeviceAlloc(bytes);
+      CHECK_CUDA(logitserve::bench::FillNormal(t, a, count, 1, 3.0f, stream));
+      CHECK_CUDA(logitserve::bench::FillNormal(t, b, count, 2, 3.0f, stream));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double one_read = BestEventMs(
+          stream, 2, iters, [&] { CHECK_CUDA(kc::LaunchReadFloor(a, bytes, sink, stream)); });
+      const double two_reads = BestEventMs(stream, 2, iters, [&] {
+        CHECK_CUDA(kc::LaunchReadFloor(a, bytes, sink, stream));
+        CHECK_CUDA(kc::LaunchReadFloor(b, bytes, sink, stream));
+      });
+      void* c = DeviceAlloc(bytes);
+      const double copy = BestEventMs(stream, 2, iters, [&] {
+        CHECK_CUDA(cudaMemcpyAsync(c, a, bytes, cudaMemcpyDeviceToDevice, stream));
+      });
+      cudaFree(c);
+      std::printf(
+          "%-6s floors: one read %.3f ms (%.0f GB/s), two reads %.3f ms; D2D copy %.3f ms "
+          "(%.0f GB/s read+write)\n",
+          dname.c_str(), one_read, bytes / (one_read * 1e6), two_reads, copy,
+          2.0 * bytes / (copy * 1e6));
+      // fp64 reference of sampled rows.
+      constexpr int kSamples = 8;
+      std::vector<int64_t> sample_rows;
+      std::vector<std::vector<double>> lpa, lpb;
+      for (int i = 0; i < kSamples; ++i) {
+        const int64_t r = (rows - 1) * i / (kSamples - 1);
+        sample_rows.push_back(r);
+        lpa.push_back(logitserve::reference::LogSoftmax(DeviceRow(a, t, vocab, r)));
+        lpb.push_back(logitserve::reference::LogSoftmax(DeviceRow(b, t, vocab, r)));
+      }
+      for (const Op& op : ops) {
+        ScoreJob job;
+        job.rows = rows;
+        job.vocab = vocab;
+        job.model.logits = {t, rows, vocab, a};
+        job.model.field = "logits";
+        job.reference.logits = {t, rows, vocab, b};
+        job.reference.field = "reference_logits";
+        op.set(job);
+        if (job.ids_per_row > 0) job.target_ids = ids;
+        ScoreResult result;
+        absl::Status status;
+        const double ms = BestWallMs(2, iters, [&] { status = (*backend)->Score(job, &result); });
+        if (!status.ok()) {
+          std::fprintf(stderr, "%s: %s\n", op.name.c_str(), status.ToString().c_str());
+          return 1;
+        }
+        int wrong = 0;
+        for (size_t i = 0; i < sample_rows.size(); ++i) {
+          const size_t r = static_cast<size_t>(sample_rows[i]);
+          const auto& la = lpa[i];
+          const auto& lb = lpb[i];
+          if (!result.target_logprobs.empty())
+            wrong += Wrong(result.target_logprobs[r], la[static_cast<size_t>(ids[r])]);
+          if (!result.entropy.empty())
+            wrong += Wrong(result.entropy[r], logitserve::reference::Entropy(la));
+          if (!result.top_k_ids.empty()) {
+            const auto top = logitserve::reference::TopK(la, 1);
+            wrong += Wrong(result.top_k_logprobs[r * 64], top[0].logprob);
+          }
+          if (!result.forward_kl.empty())
+            wrong += Wrong(result.forward_kl[r], logitserve::reference::Kl(lb, la));
+          if (!result.reverse_kl.empty())
+            wrong += Wrong(result.reverse_kl[r], logitserve::reference::Kl(la, lb));
+          if (!result.jsd.empty())
+            wrong += Wrong(result.jsd[r], logitserve::reference::Jsd(la, lb, 0.5));
+        }
+        total_wrong += wrong;
+        const double op_bytes = static_cast<double>(bytes) * op.reads;
+        const double floor_ms = op.reads == 1 ? one_read : two_reads;
+        std::printf("%-6s %-14s %10.3f %10.0f %10.3f %8.2f %7d\n", dname.c_str(), op.name.c_str(),
+                    ms, op_bytes / (ms * 1e6), floor_ms, ms / floor_ms, wrong);
+        out["logits"].push_back({{"dtype", dname},
+                                 {"op", op.name},
+                                 {"ms", ms},
+                                 {"floor_ms", floor_ms},
+                                 {"ratio", ms / floor_ms},
+                                 {"gbs", op_bytes / (ms * 1e6)},
+                                 {"wrong", wrong}});
+      }
+      // The kernels alone (CUDA events, no backend overhead): statistics of every (row, block),
+      // single and pair, and the fold of one rank's records with entropy and KL outputs.
+      {
+        const int64_t blocks = logitserve::kernels::NumBlocks(vocab);
+        const kc::TileMessage msg = kc::MakeTileMessage(rows, blocks, 0, 0);
+        auto* records = static_cast<logitserve::kernels::PairBlockStats*>(DeviceAlloc(msg.bytes));
+        auto* folded = static_cast<logitserve::kernels::RowStats*>(
+            DeviceAlloc(2 * static_cast<size_t>(rows) * sizeof(logitserve::kernels::RowStats)));
+        auto* outs =
+            static_cast<float*>(DeviceAlloc(3 * static_cast<size_t>(rows) * sizeof(float)));
+        auto* bad = static_cast<int32_t*>(DeviceAlloc(2 * sizeof(int32_t)));
+        kc::LogitsSource sa, sb;
+        sa.type = sb.type = t;
+        sa.data = a;
+        sb.data = b;
+        sa.ld = sb.ld = vocab;
+        sa.cols = sb.cols = vocab;
+        const double single_ms = BestEventMs(stream, 2, iters, [&] {
+          CHECK_CUDA(kc::LaunchBlockStats(sa, nullptr, rows, records, blocks, 0, stream));
+        });
+        const double pair_ms = BestEventMs(stream, 2, iters, [&] {
+          CHECK_CUDA(kc::LaunchBlockStats(sa, &sb, rows, records, blocks, 0, stream));
+        });
+        kc::GatheredTile tile;
+        tile.messages = reinterpret_cast<const uint8_t*>(records);
+        tile.layout = msg;
+        tile.shards.ranks = 1;
+        tile.shards.begin[1] = static_cast<int32_t>(blocks);
+        tile.num_blocks = blocks;
+        tile.pair = true;
+        kc::RowOutputs o;
+        o.entropy = outs;
+        o.forward_kl = outs + rows;
+        o.reverse_kl = outs + 2 * rows;
+        const double fold_ms = BestEventMs(stream, 2, iters, [&] {
+          CHECK_CUDA(kc::LaunchFoldRows(tile, rows, 0, kc::FoldedRows{folded, folded + rows}, bad,
+                                        &o, stream));
+        });
+        std::printf(
+            "%-6s kernels alone: single stats %.3f ms (%.2f x one read), pair stats %.3f ms "
+            "(%.2f x two reads), pair fold + outputs %.3f ms\n",
+            dname.c_str(), single_ms, single_ms / one_read, pair_ms, pair_ms / two_reads, fold_ms);
+        out["kernels"].push_back({{"dtype", dname},
+                                  {"single_stats_ms", single_ms},
+                                  {"pair_stats_ms", pair_ms},
+                                  {"fold_ms", fold_ms},
+                                  {"one_read_ms", one_read},
+                                  {"two_reads_ms", two_reads}});
+        cudaFree(records);
+        cudaFree(folded);
+        cudaFree(outs);
+        cudaFree(bad);
+      }
+      cudaFree(a);
+      cudaFree(b);
+    }
+    const double used = free_before - FreeDeviceBytes(0);
+    std::printf("backend device memory after the logits runs (workspaces, cuBLAS): %.1f MB\n",
+                used / 1e6);
+    out["logits_backend_memory_mb"] = used / 1e6;
+  }
+
+  if (!no_hidden) {
+    std::printf(
+        "\nhidden mode N=%ld H=%ld V=%ld: policy + reference (bf16 heads), target logprobs + "
+        "entropy x2 + forward KL\n",
+        static_cast<long>(hrows), static_cast<long>(hidden), static_cast<long>(hvocab));
+    const float w_std = 3.0f / std::sqrt(static_cast<float>(hidden));
+    auto w1 = SyntheticHead("policy", hvocab, hidden, w_std, 11);
+    auto w2 = SyntheticHead("reference", hvocab, hidden, w_std, 12);
+    const size_t hcount = static_cast<size_t>(hrows * hidden);
+    void* h1 = DeviceAlloc(hcount * 2);
+    void* h2 = DeviceAlloc(hcount * 2);
+    CHECK_CUDA(logitserve::bench::FillNormal(FloatType::kBFloat16, h1, hcount, 3, 1.0f, stream));
+    CHECK_CUDA(logitserve::bench::FillNormal(FloatType::kBFloat16, h2, hcount, 4, 1.0f, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::vector<int32_t> ids(static_cast<size_t>(hrows));
+    for (int64_t i = 0; i < hrows; ++i)
+      ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % hvocab);
+
+    // Bare GEMMs (need the heads on the device as plain [V, H] bf16).
+    std::string bare_algo;
+    double bare_ms = 0;
+    {
+      void* dw1 = DeviceAlloc(w1->weight.size());
+      void* dw2 = DeviceAlloc(w2->weight.size());
+      CHECK_CUDA(cudaMemcpy(dw1, w1->weight.data(), w1->weight.size(), cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(dw2, w2->weight.data(), w2->weight.size(), cudaMemcpyHostToDevice));
+      bare_ms = BareGemmMs(hrows, hidden, hvocab, h1, h2, dw1, dw2, hidden_iters + 2, &bare_algo);
+      cudaFree(dw1);
+      cudaFree(dw2);
+    }
+    const double flops = 2.0 * 2.0 * static_cast<double>(hrows) * hidden * hvocab;
+    std::printf("two bare cuBLASLt bf16 GEMMs %ldx%ldx%ld: %.3f ms (%.0f TFLOP/s; %s)\n",
+                static_cast<long>(hrows), static_cast<long>(hidden), static_cast<long>(hvocab),
+                bare_ms, flops / (bare_ms * 1e9), bare_algo.c_str());
+    out["hidden"]["bare_gemms_ms"] = bare_ms;
+
+    auto run_backend = [&](std::vector<int> devs, const char* label) -> double {
+      logitserve::CudaBackendOptions options;
+      options.devices = devs;
+      const double free_before = FreeDeviceBytes(0);
+      auto backend = logitserve::CreateCudaBackend(options);
+      if (!backend.ok()) {
+        std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+        std::exit(1);
+      }
+      auto p1 = (*backend)->PrepareHead(w1);
+      auto p2 = (*backend)->PrepareHead(w2);
+      if (!p1.ok() || !p2.ok()) {
+        std::fprintf(stderr, "PrepareHead: %s %s\n", p1.status().ToString().c_str(),
+                     p2.status().ToString().c_str());
+        std::exit(1);
+      }
+      const double heads_mb = (free_before - FreeDeviceBytes(0)) / 1e6;
+      ScoreJob job;
+      job.rows = hrows;
+      job.vocab = hvocab;
+      job.model.head = *p1;
+      job.model.hidden = {FloatType::kBFloat16, hrows, hidden, h1};
+      job.model.field = "hidden";
+      job.reference.head = *p2;
+      job.reference.hidden = {FloatType::kBFloat16, hrows, hidden, h2};
+      job.reference.field = "reference_hidden";
+      job.target_ids = ids;
+      job.ids_per_row = 1;
+      job.entropy = job.reference_entropy = job.forward_kl = true;
+      ScoreResult result;
+      absl::Status status;
+      const double free_mid = FreeDeviceBytes(0);
+      const double ms =
+          BestWallMs(1, hidden_iters, [&] { status = (*backend)->Score(job, &result); });
+      if (!status.ok()) {
+        std::fprintf(stderr, "hidden Score: %s\n", status.ToString().c_str());
+        std::exit(1);
+      }
+      const double extra_mb = (free_mid - FreeDeviceBytes(0)) / 1e6;
+      // fp64 reference of two sampled rows (host copies of their hidden states).
+      int wrong = 0;
+      for (int64_t r : {int64_t{0}, hrows - 1}) {
+        std::vector<uint8_t> hb1(static_cast<size_t>(hidden) * 2),
+            hb2(static_cast<size_t>(hidden) * 2);
+        CHECK_CUDA(cudaMemcpy(hb1.data(), static_cast<uint8_t*>(h1) + r * hidden * 2, hb1.size(),
+                              cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(hb2.data(), static_cast<uint8_t*>(h2) + r * hidden * 2, hb2.size(),
+                              cudaMemcpyDeviceToHost));
+        ScoreJob one = job;
+        one.rows = 1;
+        one.model.hidden = {FloatType::kBFloat16, 1, hidden, hb1.data()};
+        one.reference.hidden = {FloatType::kBFloat16, 1, hidden, hb2.data()};
+        one.target_ids = {ids[static_cast<size_t>(r)]};
+        const logitserve::reference::ReferenceResult ref =
+            logitserve::reference::ScoreReference(one);
+        const size_t i = static_cast<size_t>(r);
+        wrong += Wrong(result.target_logprobs[i], ref.target_logprobs[0]);
+        wrong += Wrong(result.entropy[i], ref.entropy[0]);
+        wrong += Wrong(result.reference_entropy[i], ref.reference_entropy[0]);
+        wrong += Wrong(result.forward_kl[i], ref.forward_kl[0]);
+      }
+      total_wrong += wrong;
+      std::printf(
+          "%-10s Score %.3f ms = %.3f x the two bare GEMMs; %.0f TFLOP/s; heads %.0f MB on GPU 0, "
+          "job workspace %.0f MB; #wrong %d\n",
+          label, ms, ms / bare_ms, flops / (ms * 1e9), heads_mb, extra_mb, wrong);
+      out["hidden"][label] = {{"ms", ms},
+                              {"ratio_to_bare", ms / bare_ms},
+                              {"wrong", wrong},
+                              {"heads_mb", heads_mb},
+                              {"workspace_mb", extra_mb}};
+      return ms;
+    };
+
+    // The pipeline's own GEMMs alone: the fixed 512 x 8192 x H tiles, as many as one job runs.
+    {
+      cublasLtHandle_t lt;
+      CHECK_CUDA(cublasLtCreate(&lt));
+      auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8);
+      if (!gemm.ok()) {
+        std::fprintf(stderr, "%s\n", gemm.status().ToString().c_str());
+        return 1;
+      }
+      const int64_t k = (*gemm)->k();
+      void* w = DeviceAlloc(static_cast<size_t>(logitserve::kCudaVocabChunk * k) * 2);
+      void* x = DeviceAlloc(static_cast<size_t>(logitserve::kCudaRowTile * k) * 2);
+      void* o = DeviceAlloc(
+          static_cast<size_t>(logitserve::kCudaRowTile * logitserve::kCudaVocabChunk) * 4);
+      void* ws = DeviceAlloc(logitserve::kCublasWorkspaceBytes);
+      CHECK_CUDA(cudaMemset(w, 0, static_cast<size_t>(logitserve::kCudaVocabChunk * k) * 2));
+      CHECK_CUDA(cudaMemset(x, 0, static_cast<size_t>(logitserve::kCudaRowTile * k) * 2));
+      const int64_t tiles = (hrows + logitserve::kCudaRowTile - 1) / logitserve::kCudaRowTile;
+      const int64_t chunks =
+          (hvocab + logitserve::kCudaVocabChunk - 1) / logitserve::kCudaVocabChunk;
+      const double ms = BestEventMs(stream, 1, hidden_iters, [&] {
+        for (int64_t i = 0; i < 2 * tiles * chunks; ++i) {
+          absl::Status s = (*gemm)->Run(lt, static_cast<uint16_t*>(w), static_cast<uint16_t*>(x),
+                                        static_cast<float*>(o), false, ws, stream);
+          if (!s.ok()) {
+            std::fprintf(stderr, "%s\n", s.ToString().c_str());
+            std::exit(1);
+          }
+        }
+      });
+      std::printf(
+          "pipeline tile GEMMs alone (%ld x 512x8192x%ld, zeros): %.3f ms = %.3f x the bare "
+          "GEMMs\n  %s\n",
+          static_cast<long>(2 * tiles * chunks), static_cast<long>(k), ms, ms / bare_ms,
+          (*gemm)->description().c_str());
+      out["hidden"]["tile_gemms_ms"] = ms;
+      out["hidden"]["tile_gemm"] = (*gemm)->description();
+      cudaFree(w);
+      cudaFree(x);
+      cudaFree(o);
+      cudaFree(ws);
+      cublasLtDestroy(lt);
+    }
+    const double one = run_backend({0}, "1 GPU");
+    if (devices >= 2) {
+      const double two = run_backend({0, 1}, "2 GPUs");
+      std::printf("two GPUs: %.2f x one GPU (SPEC: >= 1.9)\n", one / two);
+      out["hidden"]["two_gpu_speedup"] = one / two;
+    } else {
+      std::printf("two GPUs: skipped (%d device visible)\n", devices);
+    }
+    cudaFree(h1);
+    cudaFree(h2);
+  }
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  std::printf("\n#wrong total: %d\n", total_wrong);
+  return total_wrong == 0 ? 0 : 3;
+}

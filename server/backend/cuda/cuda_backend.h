@@ -1,0 +1,61 @@
+// CudaBackend: the Backend on NVIDIA GPUs. One process drives every device: the vocabulary is
+// sharded over the devices in whole blocks (MakeShardLayout; a shard may be empty), each shard is
+// a rank with its own host thread, stream, cuBLASLt handle and NCCL communicator, and for each
+// fixed-size row tile
+//
+//   every rank computes per-(row, block) statistics of its shard (logits mode: straight from the
+//     request's logits; hidden mode: cuBLASLt GEMM per 8192-id chunk into an L2-sized fp32 tile,
+//     then the same statistics kernel reads it back), its top-k candidates and its target logits;
+//   the ranks all-gather those small records (NCCL);
+//   every rank folds them in global block order (identical bits on every rank); rank 0 writes
+//     the outputs;
+//   JSD only: a second pass over the tile with the global normalisation; partials all-gathered and
+//     summed in global block order.
+//
+// Nothing of size [N, V] is ever allocated. Results are bitwise independent of the batch, of the
+// row's position, of the number of devices and of the input dtype carrying the same values (see
+// cuda_kernels.h and cuda_tile_gemm.h for why).
+//
+// Inputs: MatrixView data may be host memory (copied per tile; pageable is fine, pinned is faster)
+// or device memory of any device (unified addressing). Logits already resident on a rank's own
+// device are read in place, with no copy (benchmarks use this).
+//
+// Thread safety: PrepareHead and Score may be called from any thread. Score calls are serialised
+// (a job uses every device and every communicator); the scheduler batches requests instead.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/backend/backend.h"
+
+namespace logitserve {
+
+struct CudaBackendOptions {
+  // CUDA device ordinals to use, each at most once; empty = every visible device.
+  std::vector<int> devices;
+  // Vocabulary shards (ranks); 0 = one per device. With more shards than devices, shards share
+  // devices round-robin and exchange through device copies instead of NCCL (NCCL allows one rank
+  // per GPU): a test configuration for uneven and empty shard layouts on a single GPU.
+  int shards = 0;
+  // Explicit shard sizes in blocks of kVocabBlock (tests: uneven / empty shards); empty = even.
+  std::vector<int64_t> shard_weights;
+  // Device memory a rank may use for staging host logits per row tile (logits mode); the tile's
+  // row count follows from it and never changes a result.
+  size_t logits_staging_bytes = size_t{1} << 30;
+};
+
+// OK when every device in `devices` (empty = all visible) can run this build's kernels.
+// FAILED_PRECONDITION naming the device, its compute capability and the architectures this
+// binary was built for (CMAKE_CUDA_ARCHITECTURES) otherwise, or when no device is visible or the
+// driver is too old. For `--backend auto|cuda` at start-up: never a kernel launch failure later.
+absl::Status CheckCudaDevices(const std::vector<int>& devices = {});
+
+// The CUDA architectures this binary holds code for, e.g. "90".
+const char* CudaArchitecturesBuilt();
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options);
+
+}  // namespace logitserve

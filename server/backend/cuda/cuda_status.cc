@@ -1,0 +1,53 @@
+#include "server/backend/cuda/cuda_status.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace logitserve {
+namespace {
+
+std::string Where(const char* expr, const char* file, int line) {
+  return absl::StrCat(file, ":", line, ": ", expr, ": ");
+}
+
+}  // namespace
+
+absl::Status CudaStatus(cudaError_t result, const char* expr, const char* file, int line) {
+  if (result == cudaSuccess) return absl::OkStatus();
+  const std::string msg = absl::StrCat(Where(expr, file, line), cudaGetErrorName(result), " (",
+                                       cudaGetErrorString(result), ")");
+  switch (result) {
+    case cudaErrorMemoryAllocation:
+      return absl::ResourceExhaustedError(msg);
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorNoKernelImageForDevice:
+    case cudaErrorUnsupportedPtxVersion:
+      return absl::FailedPreconditionError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+absl::Status CudaStatus(cublasStatus_t result, const char* expr, const char* file, int line) {
+  if (result == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  const std::string msg = absl::StrCat(Where(expr, file, line), cublasLtGetStatusName(result), " (",
+                                       cublasLtGetStatusString(result), ")");
+  switch (result) {
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return absl::ResourceExhaustedError(msg);
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return absl::FailedPreconditionError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+absl::Status CudaStatus(ncclResult_t result, const char* expr, const char* file, int line) {
+  if (result == ncclSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(Where(expr, file, line), "NCCL error ",
+                                          static_cast<int>(result), " (",
+                                          ncclGetErrorString(result), ")"));
+}
+
+}  // namespace logitserve

@@ -1,0 +1,112 @@
+#include "server/backend/cuda/cuda_tile_gemm.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/backend/cuda/cuda_status.h"
+
+namespace logitserve {
+namespace {
+
+template <typename T>
+T AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) !=
+      CUBLAS_STATUS_SUCCESS) {
+    return T{};
+  }
+  return value;
+}
+
+}  // namespace
+
+CudaTileGemm::~CudaTileGemm() {
+  if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
+  if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
+  if (c_ != nullptr) cublasLtMatrixLayoutDestroy(c_);
+  if (desc_ != nullptr) cublasLtMatmulDescDestroy(desc_);
+}
+
+absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandle_t handle,
+                                                                   int64_t k) {
+  if (k <= 0 || k % 8 != 0)
+    return absl::InvalidArgumentError("CudaTileGemm: k must be a multiple of 8");
+  std::unique_ptr<CudaTileGemm> g(new CudaTileGemm());
+  g->k_ = k;
+  // Column-major view: D[m = chunk, n = rows] = op(A) op(B) with A = W stored [chunk][k] row-major
+  // (= k x chunk column-major, transposed), B = x stored [rows][k] (= k x rows column-major).
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cublasLtMatmulDescCreate(&g->desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulDescSetAttribute(
+      g->desc_, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulDescSetAttribute(
+      g->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cublasLtMatrixLayoutCreate(&g->a_, CUDA_R_16BF, k, kCudaVocabChunk, k));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cublasLtMatrixLayoutCreate(&g->b_, CUDA_R_16BF, k, kCudaRowTile, k));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatrixLayoutCreate(&g->c_, CUDA_R_32F, kCudaVocabChunk,
+                                                             kCudaRowTile, kCudaVocabChunk));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t max_workspace = kCublasWorkspaceBytes;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace));
+  constexpr int kRequested = 32;
+  std::vector<cublasLtMatmulHeuristicResult_t> results(kRequested);
+  int returned = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(handle, g->desc_, g->a_, g->b_, g->c_, g->c_, pref,
+                                        kRequested, results.data(), &returned);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(st);
+  int chosen = -1;
+  for (int i = 0; i < returned; ++i) {
+    const auto& r = results[static_cast<size_t>(i)];
+    if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > kCublasWorkspaceBytes) continue;
+    const int32_t split_k = AlgoConfig<int32_t>(r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+    const uint32_t reduction = AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+    if (split_k <= 1 && reduction == CUBLASLT_REDUCTION_SCHEME_NONE) {
+      chosen = i;
+      break;
+    }
+  }
+  if (chosen < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuBLASLt offers no algorithm without split-K for the bf16 GEMM ", kCudaRowTile, " x ",
+        kCudaVocabChunk, " x ", k, " (", returned, " candidates)"));
+  }
+  const auto& r = results[static_cast<size_t>(chosen)];
+  g->algo_ = r.algo;
+  g->workspace_bytes_ = r.workspaceSize;
+  g->description_ = absl::StrCat(
+      "cuBLASLt bf16 GEMM m=", kCudaVocabChunk, " n=", kCudaRowTile, " k=", k,
+      ": heuristic result ", chosen, " of ", returned, ", algo id ",
+      AlgoConfig<int32_t>(r.algo, CUBLASLT_ALGO_CONFIG_ID), ", tile ",
+      AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), ", stages ",
+      AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID), ", split-k ",
+      AlgoConfig<int32_t>(r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), ", reduction ",
+      AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), ", swizzle ",
+      AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), ", custom ",
+      AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), ", cluster ",
+      AlgoConfig<uint16_t>(r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), ", waves ", r.wavesCount,
+      ", workspace ", r.workspaceSize, " B");
+  return g;
+}
+
+absl::Status CudaTileGemm::Run(cublasLtHandle_t handle, const uint16_t* w, const uint16_t* x,
+                               float* out, bool accumulate, void* workspace,
+                               cudaStream_t stream) const {
+  const float alpha = 1.0f;
+  const float beta = accumulate ? 1.0f : 0.0f;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmul(handle, desc_, &alpha, w, a_, x, b_, &beta, out,
+                                                 c_, out, c_, &algo_, workspace, workspace_bytes_,
+                                                 stream));
+  return absl::OkStatus();
+}
+
+}  // namespace logitserve

@@ -1,0 +1,80 @@
+#include "server/backend/cuda/device_resources.h"
+
+#include <utility>
+
+#include "server/backend/cuda/cuda_status.h"
+
+namespace logitserve {
+
+DeviceGuard::DeviceGuard(int device) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  if (previous_ != device)
+    status_ = CudaStatus(cudaSetDevice(device), "cudaSetDevice", __FILE__, __LINE__);
+}
+
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+    cudaSetDevice(previous_);
+  }
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      device_(std::exchange(other.device_, -1)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Free();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    device_ = std::exchange(other.device_, -1);
+  }
+  return *this;
+}
+
+absl::Status DeviceBuffer::Reserve(int device, size_t bytes) {
+  if (data_ != nullptr && device_ == device && size_ >= bytes) return absl::OkStatus();
+  Free();
+  if (bytes == 0) return absl::OkStatus();
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMalloc(&data_, bytes));
+  size_ = bytes;
+  device_ = device;
+  return absl::OkStatus();
+}
+
+void DeviceBuffer::Free() {
+  if (data_ == nullptr) return;
+  DeviceGuard guard(device_);
+  cudaFree(data_);  // a failure here leaves nothing to do: the memory is the context's anyway
+  data_ = nullptr;
+  size_ = 0;
+  device_ = -1;
+}
+
+CudaStream::~CudaStream() {
+  if (stream_ == nullptr) return;
+  DeviceGuard guard(device_);
+  cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaStream::Create(int device) {
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  device_ = device;
+  return absl::OkStatus();
+}
+
+void HostBarrier::Wait() {
+  absl::MutexLock lock(&mu_);
+  const uint64_t gen = generation_;
+  if (++arrived_ == size_) {
+    arrived_ = 0;
+    ++generation_;
+    cv_.SignalAll();
+    return;
+  }
+  while (generation_ == gen) cv_.Wait(&mu_);
+}
+
+}  // namespace logitserve

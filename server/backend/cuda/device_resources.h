@@ -1,0 +1,92 @@
+// RAII owners of CUDA resources for the CUDA backend.
+//
+//   DeviceGuard   makes a device current for a scope and restores the previous one.
+//   DeviceBuffer  device memory on one device (freed on that device); Reserve() grows it.
+//   CudaStream    a non-blocking stream on one device.
+//   HostBarrier   a reusable barrier for the backend's rank threads.
+//
+// Thread safety: DeviceGuard is per thread (the current device is thread state). The owners are
+// used by one thread at a time; HostBarrier is shared by the threads that meet at it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+
+namespace logitserve {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  // Whether cudaSetDevice succeeded.
+  absl::Status status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  absl::Status status_;
+};
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { Free(); }
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // Makes the buffer hold at least `bytes` on `device` (contents are not kept when it grows).
+  // REQUIRES: `device` is current.
+  absl::Status Reserve(int device, size_t bytes);
+  void Free();
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  template <typename T>
+  T* as(size_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(static_cast<uint8_t*>(data_) + byte_offset);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  int device_ = -1;
+};
+
+class CudaStream {
+ public:
+  CudaStream() = default;
+  ~CudaStream();
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  // REQUIRES: `device` is current.
+  absl::Status Create(int device);
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  int device_ = -1;
+};
+
+// Threads of one group meet here; reusable (a generation counter tells rounds apart).
+class HostBarrier {
+ public:
+  explicit HostBarrier(int size) : size_(size) {}
+  void Wait();
+  int size() const { return size_; }
+
+ private:
+  const int size_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace logitserve

@@ -1,0 +1,584 @@
+// CudaBackend end to end (Score on host inputs, as the service calls it).
+//
+//   Agreement: every op x input dtype x V in {1, 17, 111, 32000, 151936} x N in {0, 1, 7, 257}
+//     against the fp64 reference (tests/kernels/expect_reference.h: its named tolerances) and
+//     against the CPU backend on the same job (kGpuCpuRelTol, a backstop that prints the worst
+//     row); hidden mode over head dtypes x hidden dtypes x transforms.
+//   Determinism (bit for bit): a row alone vs inside batches at positions that straddle tiles;
+//     one GPU vs a virtual three-shard layout with an empty shard vs two GPUs (skipped, with a
+//     message, when fewer are visible); hidden states given as fp32 / bf16 / fp16 with equal
+//     values; logits resident on the device (read in place) vs host logits.
+//   Errors: NaN / +inf messages are the CPU backend's, word for word.
+#include "server/backend/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/backend/backend.h"
+#include "tests/gpu/cuda_factories.h"
+#include "tests/gpu/gpu_test_env.h"
+#include "tests/kernels/expect_reference.h"
+#include "tests/kernels/job_builder.h"
+
+namespace logitserve::testing {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// GPU vs CPU backend, both fp32 with different summation orders and exp/log implementations.
+// Each is within the reference's tolerance of the exact value (checked separately), and for the
+// outputs here those tolerances stay below 256 u (1 + |x|) (kSumRelTol = 64 u times the output's
+// condition, at most ~ 2 H + 2 log V + 1 <= 4 (1 + |x|) for entropies, KLs and logprobs of
+// normal(0, 3) logits); two of them apart gives 512 u. A backstop, reported with the worst row.
+constexpr double kGpuCpuRelTol = 512 * kU;
+// Hidden mode adds each backend's GEMM rounding, H u sum |h W| (up to ~ 30 u |z| here), on both
+// sides.
+constexpr double kGpuCpuHiddenRelTol = 4096 * kU;
+
+std::unique_ptr<Backend> MustCreate(const BackendFactory& f) {
+  absl::StatusOr<std::unique_ptr<Backend>> b = f.create();
+  EXPECT_TRUE(b.ok()) << f.name << ": " << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+
+std::unique_ptr<Backend> Cpu() {
+  CpuBackendOptions o;
+  o.threads = 0;
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateCpuBackend(o);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+
+// Worst |gpu - cpu| / (1 + |cpu|) of one output; NaN and infinities must match exactly.
+void CompareOutput(const std::string& name, const std::vector<float>& gpu,
+                   const std::vector<float>& cpu, int64_t per_row, double rel_tol) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << name;
+  double worst = 0.0;
+  size_t at = 0;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    const float g = gpu[i], c = cpu[i];
+    if (std::isnan(c) || std::isinf(c)) {
+      if (!(std::isnan(c) ? std::isnan(g) : g == c)) {
+        ADD_FAILURE() << name << " row " << i / per_row << " element " << i % per_row << ": GPU "
+                      << g << ", CPU " << c;
+        return;
+      }
+      continue;
+    }
+    const double err = std::abs(static_cast<double>(g) - c) / (1.0 + std::abs(c));
+    if (!(err <= worst)) {
+      worst = err;
+      at = i;
+    }
+  }
+  EXPECT_LE(worst, rel_tol) << name << ": worst at row " << at / per_row << " element "
+                            << at % per_row << ": GPU " << gpu[at] << ", CPU " << cpu[at]
+                            << " (relative " << worst << ", tolerance " << rel_tol << ")";
+}
+
+// GPU vs CPU on every output (top-k ids may swap only between near-tied values).
+void CompareWithCpu(const ScoreJob& job, const ScoreResult& gpu, const ScoreResult& cpu,
+                    double rel_tol) {
+  CompareOutput("target_logprobs", gpu.target_logprobs, cpu.target_logprobs,
+                std::max(job.ids_per_row, 1), rel_tol);
+  CompareOutput("top_k_logprobs", gpu.top_k_logprobs, cpu.top_k_logprobs, std::max(job.top_k, 1),
+                rel_tol);
+  ASSERT_EQ(gpu.top_k_ids.size(), cpu.top_k_ids.size());
+  for (size_t i = 0; i < gpu.top_k_ids.size(); ++i) {
+    if (gpu.top_k_ids[i] == cpu.top_k_ids[i]) continue;
+    const double gap = std::abs(static_cast<double>(gpu.top_k_logprobs[i]) - cpu.top_k_logprobs[i]);
+    EXPECT_LE(gap, rel_tol * (1.0 + std::abs(cpu.top_k_logprobs[i])))
+        << "top_k_ids row " << i / job.top_k << " position " << i % job.top_k << ": GPU id "
+        << gpu.top_k_ids[i] << ", CPU id " << cpu.top_k_ids[i] << " (not a near-tie)";
+  }
+  CompareOutput("entropy", gpu.entropy, cpu.entropy, 1, rel_tol);
+  CompareOutput("reference_entropy", gpu.reference_entropy, cpu.reference_entropy, 1, rel_tol);
+  CompareOutput("forward_kl", gpu.forward_kl, cpu.forward_kl, 1, rel_tol);
+  CompareOutput("reverse_kl", gpu.reverse_kl, cpu.reverse_kl, 1, rel_tol);
+  CompareOutput("jsd", gpu.jsd, cpu.jsd, 1, rel_tol);
+}
+
+void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      ADD_FAILURE() << what << " row " << i << ": " << a[i] << " vs " << b[i];
+      return;
+    }
+  }
+}
+
+// Model and reference logits (normal(0, 3)). Row classes by row % 8: even rows' reference is the
+// model plus noise; 5 = same masks on both, 6 = the model masks tokens the reference keeps,
+// 7 = the reference masks tokens the model keeps.
+struct LogitsPair {
+  SharedMatrix model;
+  SharedMatrix reference;
+};
+LogitsPair MakeLogits(std::mt19937_64& rng, FloatType t, int64_t n, int64_t v) {
+  std::vector<float> m = RandomNormal(rng, n * v, 3.0);
+  std::vector<float> r = RandomNormal(rng, n * v, 3.0);
+  const std::vector<float> noise = RandomNormal(rng, n * v, 1.0);
+  for (int64_t row = 0; row < n; ++row) {
+    if (row % 2 == 0) {
+      for (int64_t j = 0; j < v; ++j) r[row * v + j] = m[row * v + j] + noise[row * v + j];
+    }
+    if (v < 2) continue;  // one token: masking would empty the row
+    switch (row % 8) {
+      case 5:
+        MaskRandomTokens(rng, m, v, row, 0.1);
+        for (int64_t j = 0; j < v; ++j) {
+          if (std::isinf(m[row * v + j])) r[row * v + j] = m[row * v + j];
+        }
+        break;
+      case 6:
+        MaskRandomTokens(rng, m, v, row, 0.1);
+        break;
+      case 7:
+        MaskRandomTokens(rng, r, v, row, 0.1);
+        break;
+      default:
+        break;
+    }
+  }
+  return {Share(Encode(t, n, v, m)), Share(Encode(t, n, v, r))};
+}
+
+// ---- (a) agreement -------------------------------------------------------------------------
+
+struct LogitsCase {
+  BackendFactory backend;
+  FloatType dtype;
+  int64_t vocab;
+  std::vector<int64_t> rows;
+};
+
+std::vector<LogitsCase> LogitsCases() {
+  std::vector<LogitsCase> cases;
+  const BackendFactory all = CudaFactory("cuda_all_gpus", 0, {}, 0);
+  const BackendFactory split = CudaFactory("cuda_shards_1_0_2", 3, {1, 0, 2}, 0);
+  for (FloatType t : {FloatType::kFloat32, FloatType::kBFloat16, FloatType::kFloat16}) {
+    for (int64_t v : {1, 17, 111, 32000, 151936}) {
+      cases.push_back({all, t, v, {0, 1, 7, 257}});
+      cases.push_back(
+          {split, t, v,
+           v == 151936 ? std::vector<int64_t>{1, 7} : std::vector<int64_t>{0, 1, 7, 257}});
+    }
+  }
+  return cases;
+}
+
+void PrintTo(const LogitsCase& c, std::ostream* os) {
+  *os << c.backend.name << " " << DTypeName(c.dtype) << " V=" << c.vocab;
+}
+
+class CudaLogits : public ::testing::TestWithParam<LogitsCase> {};
+
+TEST_P(CudaLogits, EveryOpMatchesReferenceAndCpu) {
+  const LogitsCase& c = GetParam();
+  std::unique_ptr<Backend> gpu = MustCreate(c.backend);
+  std::unique_ptr<Backend> cpu = Cpu();
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937_64 rng(static_cast<uint64_t>(c.vocab) * 131 + static_cast<uint64_t>(c.dtype));
+  const bool big = c.vocab >= 32000;
+  for (int64_t n : c.rows) {
+    SCOPED_TRACE("N = " + std::to_string(n));
+    const LogitsPair in = MakeLogits(rng, c.dtype, n, c.vocab);
+    const int32_t top = static_cast<int32_t>(std::min<int64_t>(c.vocab, 5));
+    std::vector<std::pair<std::string, OwnedJob>> jobs;
+    auto pair_job = [&](float tm = 1.0f, float tr = 1.0f) {
+      OwnedJob j;
+      j.SetModelLogits(in.model, tm).SetReferenceLogits(in.reference, tr);
+      return j;
+    };
+    {  // model only: the single-distribution kernels
+      OwnedJob j;
+      j.SetModelLogits(in.model)
+          .WithTargets(RandomTargets(rng, n, 3, c.vocab, -100, 0.15), 3)
+          .WithTopK(top)
+          .WithEntropy();
+      jobs.emplace_back("targets + top_k + entropy (model only)", j);
+    }
+    if (!big) {  // each pair op on its own
+      jobs.emplace_back("reference_entropy", pair_job().WithReferenceEntropy());
+      jobs.emplace_back("forward_kl", pair_job().WithForwardKl());
+      jobs.emplace_back("reverse_kl", pair_job().WithReverseKl());
+      jobs.emplace_back("jsd 0.3", pair_job().WithJsd(0.3f));
+      jobs.emplace_back(
+          "top_k 1, ignore_index -1",
+          pair_job().WithTopK(1).WithTargets(RandomTargets(rng, n, 1, c.vocab, -1, 0.3), 1, -1));
+    }
+    jobs.emplace_back(
+        "everything, temperatures 0.7 / 1.3",
+        pair_job(0.7f, 1.3f)
+            .WithEverything(RandomTargets(rng, n, 2, c.vocab, -100, 0.15), 2, top, 0.3f));
+    for (const auto& [name, j] : jobs) {
+      SCOPED_TRACE(name);
+      LOGITSERVE_ASSERT_SCORE(got, *gpu, j.job);
+      ExpectMatchesReference(j.job, got);
+      LOGITSERVE_ASSERT_SCORE(want, *cpu, j.job);
+      CompareWithCpu(j.job, got, want, kGpuCpuRelTol);
+    }
+    // JSD endpoints copy the KL bits (explicit branches, not limits).
+    for (float beta : {0.0f, 1.0f}) {
+      SCOPED_TRACE("jsd endpoint " + std::to_string(beta));
+      OwnedJob j = pair_job();
+      j.WithForwardKl().WithReverseKl().WithJsd(beta);
+      LOGITSERVE_ASSERT_SCORE(got, *gpu, j.job);
+      ExpectSameBits(got.jsd, beta == 0.0f ? got.forward_kl : got.reverse_kl, "jsd vs KL");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, CudaLogits, ::testing::ValuesIn(LogitsCases()),
+                         [](const ::testing::TestParamInfo<LogitsCase>& info) {
+                           return info.param.backend.name + "_" + DTypeName(info.param.dtype) +
+                                  "_V" + std::to_string(info.param.vocab);
+                         });
+
+struct HiddenCase {
+  FloatType head_dtype;
+  FloatType hidden_dtype;
+  std::string transform_name;
+  HeadTransform transform;
+  bool bias;
+  double logit_std;
+};
+
+std::vector<HiddenCase> HiddenCases() {
+  HeadTransform none, cohere, granite, gemma;
+  cohere.logit_scale = 0.0625f;
+  granite.logits_scaling = 8.0f;
+  gemma.softcap = 30.0f;
+  std::vector<HiddenCase> cases;
+  for (FloatType w : {FloatType::kBFloat16, FloatType::kFloat16, FloatType::kFloat32}) {
+    for (FloatType h : {FloatType::kBFloat16, FloatType::kFloat16, FloatType::kFloat32}) {
+      cases.push_back({w, h, "none", none, false, 3.0});
+    }
+    cases.push_back({w, FloatType::kBFloat16, "softcap_bias", gemma, true, 30.0});
+    cases.push_back({w, FloatType::kFloat32, "logit_scale", cohere, false, 3.0});
+    cases.push_back({w, FloatType::kFloat16, "logits_scaling_bias", granite, true, 3.0});
+  }
+  return cases;
+}
+
+void PrintTo(const HiddenCase& c, std::ostream* os) {
+  *os << "head " << DTypeName(c.head_dtype) << ", hidden " << DTypeName(c.hidden_dtype) << ", "
+      << c.transform_name;
+}
+
+class CudaHidden : public ::testing::TestWithParam<HiddenCase> {};
+
+// V = 12000 (6 blocks, 2 GEMM chunks, the last partial), H = 130 (padded to 136 on the GPU), a
+// reference head with its own hidden size; N up to 520 (two 512-row tiles) for bf16 heads, the
+// main path (the fp64 reference costs N V H multiply-adds per head, so the others stop at 7).
+TEST_P(CudaHidden, EveryOutputMatchesReferenceAndCpu) {
+  const HiddenCase& c = GetParam();
+  constexpr int64_t kVocab = 12000, kH = 130, kHRef = 72;
+  std::unique_ptr<Backend> gpu = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
+  std::unique_ptr<Backend> cpu = Cpu();
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937_64 rng(99 + static_cast<uint64_t>(c.head_dtype) * 3 +
+                      static_cast<uint64_t>(c.hidden_dtype));
+  const double gain = static_cast<double>(c.transform.logit_scale) / c.transform.logits_scaling;
+  auto model_w = RandomHead(rng, kVocab, kH, c.head_dtype,
+                            c.logit_std / std::sqrt(double{kH}) / gain, c.bias, c.transform);
+  auto ref_w = RandomHead(rng, kVocab, kHRef, FloatType::kBFloat16, 3.0 / std::sqrt(double{kHRef}),
+                          false, HeadTransform{});
+  auto prepare = [](Backend& b, std::shared_ptr<HeadWeights> w) {
+    absl::StatusOr<std::shared_ptr<const PreparedHead>> p = b.PrepareHead(std::move(w));
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *p : nullptr;
+  };
+  auto gm = prepare(*gpu, model_w), gr = prepare(*gpu, ref_w);
+  auto cm = prepare(*cpu, model_w), cr = prepare(*cpu, ref_w);
+  ASSERT_TRUE(gm && gr && cm && cr);
+  const std::vector<int64_t> sizes = c.head_dtype == FloatType::kBFloat16
+                                         ? std::vector<int64_t>{0, 1, 7, 520}
+                                         : std::vector<int64_t>{0, 1, 7};
+  for (int64_t n : sizes) {
+    SCOPED_TRACE("N = " + std::to_string(n));
+    const SharedMatrix h = Share(Encode(c.hidden_dtype, n, kH, RandomNormal(rng, n * kH, 1.0)));
+    const SharedMatrix hr =
+        Share(Encode(c.hidden_dtype, n, kHRef, RandomNormal(rng, n * kHRef, 1.0)));
+    const std::vector<int32_t> ids = RandomTargets(rng, n, 2, kVocab, -100, 0.15);
+    auto job = [&](std::shared_ptr<const PreparedHead> m, std::shared_ptr<const PreparedHead> r) {
+      OwnedJob j;
+      j.SetModelHidden(m, h, 0.9f).SetReferenceHidden(r, hr);
+      j.WithEverything(ids, 2, 4, 0.3f);
+      return j;
+    };
+    const OwnedJob jg = job(gm, gr), jc = job(cm, cr);
+    LOGITSERVE_ASSERT_SCORE(got, *gpu, jg.job);
+    ExpectMatchesReference(jg.job, got);
+    LOGITSERVE_ASSERT_SCORE(want, *cpu, jc.job);
+    CompareWithCpu(jg.job, got, want, kGpuCpuHiddenRelTol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, CudaHidden, ::testing::ValuesIn(HiddenCases()),
+                         [](const ::testing::TestParamInfo<HiddenCase>& info) {
+                           return "W" + DTypeName(info.param.head_dtype) + "_h" +
+                                  DTypeName(info.param.hidden_dtype) + "_" +
+                                  info.param.transform_name;
+                         });
+
+// ---- (b) determinism -----------------------------------------------------------------------
+
+// Layouts whose results must all be the same bits: one GPU, three shards on one GPU with an
+// empty middle shard, and (when visible) two GPUs through NCCL.
+std::vector<BackendFactory> Layouts() {
+  std::vector<BackendFactory> f = {CudaDevicesFactory("one_gpu", {0}),
+                                   CudaFactory("cuda_shards_1_0_2_one_gpu", 3, {1, 0, 2}, 0)};
+  if (VisibleCudaDevices() >= 2) {
+    f.push_back(CudaDevicesFactory("two_gpus", {0, 1}));
+  } else {
+    std::printf("[ skipped   ] two-GPU layout: only %d CUDA device visible\n",
+                VisibleCudaDevices());
+  }
+  return f;
+}
+
+TEST(CudaDeterminism, LogitsRowBitsIndependentOfBatchPositionLayoutAndResidence) {
+  constexpr int64_t kVocab = 151936;
+  std::mt19937_64 rng(17);
+  std::vector<float> m = RandomNormal(rng, kVocab, 3.0), r = RandomNormal(rng, kVocab, 3.0);
+  MaskRandomTokens(rng, m, kVocab, 0, 0.05);
+  const std::vector<int32_t> ids = {3, -100, static_cast<int32_t>(kVocab - 1)};
+  constexpr int32_t kTopK = 8;
+  auto embed = [&](const std::vector<float>& row, int64_t n, int64_t pos) {
+    std::vector<float> out = RandomNormal(rng, n * kVocab, 3.0);
+    std::copy(row.begin(), row.end(), out.begin() + pos * kVocab);
+    return out;
+  };
+  auto embed_ids = [&](int64_t n, int64_t pos) {
+    std::vector<int32_t> out = RandomTargets(rng, n, 3, kVocab, -100, 0.2);
+    std::copy(ids.begin(), ids.end(), out.begin() + pos * 3);
+    return out;
+  };
+  auto job = [&](const std::vector<float>& mm, const std::vector<float>& rr,
+                 const std::vector<int32_t>& tt, int64_t n) {
+    OwnedJob j;
+    j.SetModelLogits(Share(Encode(FloatType::kBFloat16, n, kVocab, mm)), 0.9f)
+        .SetReferenceLogits(Share(Encode(FloatType::kBFloat16, n, kVocab, rr)));
+    j.WithEverything(tt, 3, kTopK, 0.3f);
+    return j;
+  };
+  const OwnedJob alone = job(m, r, ids, 1);
+  struct Placement {
+    int64_t n, pos;
+  };
+  std::vector<std::pair<Placement, OwnedJob>> batches;
+  for (Placement p : {Placement{13, 0}, Placement{13, 12}, Placement{40, 33}}) {
+    batches.emplace_back(
+        p, job(embed(m, p.n, p.pos), embed(r, p.n, p.pos), embed_ids(p.n, p.pos), p.n));
+  }
+  std::unique_ptr<ScoreResult> baseline;
+  for (const BackendFactory& f : Layouts()) {
+    SCOPED_TRACE(f.name);
+    std::unique_ptr<Backend> b = MustCreate(f);
+    ASSERT_NE(b, nullptr);
+    LOGITSERVE_ASSERT_SCORE(got_alone, *b, alone.job);
+    if (baseline == nullptr) {
+      ExpectMatchesReference(alone.job, got_alone);
+      baseline = std::make_unique<ScoreResult>(got_alone);
+    } else {
+      ExpectBitwiseEqual(got_alone, *baseline);
+    }
+    for (const auto& [p, j] : batches) {
+      SCOPED_TRACE("batch of " + std::to_string(p.n) + " at " + std::to_string(p.pos));
+      LOGITSERVE_ASSERT_SCORE(got, *b, j.job);
+      ExpectRowBitwiseEqual(*baseline, 0, got, p.pos, 3, kTopK);
+    }
+  }
+  // Logits already on the GPU are read in place (no staging copy): same bits.
+  {
+    SCOPED_TRACE("device-resident logits");
+    std::unique_ptr<Backend> b = MustCreate(CudaDevicesFactory("one_gpu", {0}));
+    ASSERT_NE(b, nullptr);
+    const auto& [p, j] = batches[2];
+    LOGITSERVE_ASSERT_SCORE(host, *b, j.job);
+    void* dm = nullptr;
+    void* dr = nullptr;
+    const size_t bytes = static_cast<size_t>(p.n * kVocab) * 2;
+    ASSERT_EQ(cudaMalloc(&dm, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&dr, bytes), cudaSuccess);
+    cudaMemcpy(dm, j.job.model.logits.data, bytes, cudaMemcpyHostToDevice);
+    cudaMemcpy(dr, j.job.reference.logits.data, bytes, cudaMemcpyHostToDevice);
+    ScoreJob dj = j.job;
+    dj.model.logits.data = dm;
+    dj.reference.logits.data = dr;
+    absl::StatusOr<ScoreResult> dev = RunJob(*b, dj);
+    cudaFree(dm);
+    cudaFree(dr);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    ExpectBitwiseEqual(*dev, host);
+  }
+}
+
+// Hidden mode: a row alone vs in batches of 1100 at positions 511 and 600 (other 512-row tiles,
+// other offsets in them), hidden states as fp32 / bf16 / fp16 with equal values (k/16), heads in
+// bf16 and fp32, on every layout.
+TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
+  constexpr int64_t kVocab = 20000, kH = 256, kHRef = 128;
+  std::mt19937_64 rng(29);
+  HeadTransform gemma;
+  gemma.softcap = 30.0f;
+  const auto model_w = RandomHead(rng, kVocab, kH, FloatType::kBFloat16, 3.0 / 16.0, true, gemma);
+  const auto ref_w = RandomHead(rng, kVocab, kHRef, FloatType::kFloat32, 3.0 / std::sqrt(128.0),
+                                false, HeadTransform{});
+  auto exact = [&](int64_t count) {
+    std::vector<float> x = RandomNormal(rng, count, 1.0);
+    for (float& e : x) e = std::round(std::clamp(e * 16.0f, -255.0f, 255.0f)) / 16.0f;
+    return x;
+  };
+  const std::vector<float> row = exact(kH), row_ref = exact(kHRef);
+  const std::vector<int32_t> ids = {0, static_cast<int32_t>(kVocab - 1), -100};
+  constexpr int32_t kTopK = 4;
+  struct Batch {
+    int64_t n, pos;
+    std::vector<float> h, hr;
+    std::vector<int32_t> ids;
+  };
+  std::vector<Batch> batches;
+  for (auto [n, pos] : {std::pair<int64_t, int64_t>{1100, 511}, {1100, 600}, {3, 0}}) {
+    Batch b{n, pos, exact(n * kH), exact(n * kHRef), RandomTargets(rng, n, 3, kVocab, -100, 0.2)};
+    std::copy(row.begin(), row.end(), b.h.begin() + pos * kH);
+    std::copy(row_ref.begin(), row_ref.end(), b.hr.begin() + pos * kHRef);
+    std::copy(ids.begin(), ids.end(), b.ids.begin() + pos * 3);
+    batches.push_back(std::move(b));
+  }
+  std::unique_ptr<ScoreResult> baseline;
+  for (const BackendFactory& f : Layouts()) {
+    SCOPED_TRACE(f.name);
+    std::unique_ptr<Backend> b = MustCreate(f);
+    ASSERT_NE(b, nullptr);
+    absl::StatusOr<std::shared_ptr<const PreparedHead>> model = b->PrepareHead(model_w);
+    absl::StatusOr<std::shared_ptr<const PreparedHead>> ref = b->PrepareHead(ref_w);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    for (FloatType t : {FloatType::kFloat32, FloatType::kBFloat16, FloatType::kFloat16}) {
+      SCOPED_TRACE(DTypeName(t));
+      OwnedJob alone;
+      alone.SetModelHidden(*model, Share(Encode(t, 1, kH, row)))
+          .SetReferenceHidden(*ref, Share(Encode(t, 1, kHRef, row_ref)));
+      alone.WithEverything(ids, 3, kTopK, 0.3f);
+      LOGITSERVE_ASSERT_SCORE(got_alone, *b, alone.job);
+      if (baseline == nullptr) {
+        ExpectMatchesReference(alone.job, got_alone);
+        baseline = std::make_unique<ScoreResult>(got_alone);
+      } else {
+        ExpectBitwiseEqual(got_alone, *baseline);
+      }
+      for (const Batch& bt : batches) {
+        SCOPED_TRACE("batch of " + std::to_string(bt.n) + " at " + std::to_string(bt.pos));
+        OwnedJob j;
+        j.SetModelHidden(*model, Share(Encode(t, bt.n, kH, bt.h)))
+            .SetReferenceHidden(*ref, Share(Encode(t, bt.n, kHRef, bt.hr)));
+        j.WithEverything(bt.ids, 3, kTopK, 0.3f);
+        LOGITSERVE_ASSERT_SCORE(got, *b, j.job);
+        ExpectRowBitwiseEqual(*baseline, 0, got, bt.pos, 3, kTopK);
+      }
+    }
+  }
+}
+
+// A job that asks for one output gets the bits of a job that asks for all of them.
+TEST(CudaDeterminism, OutputsDoNotDependOnOtherRequestedOutputs) {
+  constexpr int64_t kN = 9, kVocab = 32000;
+  std::mt19937_64 rng(31);
+  const LogitsPair in = MakeLogits(rng, FloatType::kBFloat16, kN, kVocab);
+  const std::vector<int32_t> ids = RandomTargets(rng, kN, 2, kVocab, -100, 0.2);
+  std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
+  ASSERT_NE(b, nullptr);
+  OwnedJob all;
+  all.SetModelLogits(in.model).SetReferenceLogits(in.reference).WithEverything(ids, 2, 3, 0.3f);
+  LOGITSERVE_ASSERT_SCORE(everything, *b, all.job);
+  OwnedJob model_only;
+  model_only.SetModelLogits(in.model).WithTargets(ids, 2).WithTopK(3).WithEntropy();
+  LOGITSERVE_ASSERT_SCORE(part, *b, model_only.job);
+  ExpectSameBits(part.target_logprobs, everything.target_logprobs, "target_logprobs");
+  ExpectSameBits(part.top_k_logprobs, everything.top_k_logprobs, "top_k_logprobs");
+  EXPECT_EQ(part.top_k_ids, everything.top_k_ids);
+  ExpectSameBits(part.entropy, everything.entropy, "entropy");
+}
+
+// ---- errors --------------------------------------------------------------------------------
+
+TEST(CudaErrors, NaNAndInfMessagesMatchCpu) {
+  constexpr int64_t kN = 40, kVocab = 5000;
+  std::mt19937_64 rng(37);
+  std::vector<float> m = RandomNormal(rng, kN * kVocab, 3.0), r = m;
+  m[29 * kVocab + 4000] = std::numeric_limits<float>::quiet_NaN();
+  m[33 * kVocab + 10] = kInf;
+  r[17 * kVocab + 2] = kInf;
+  std::unique_ptr<Backend> gpu = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
+  std::unique_ptr<Backend> cpu = Cpu();
+  ASSERT_NE(gpu, nullptr);
+  for (bool with_ref : {false, true}) {
+    SCOPED_TRACE(with_ref ? "model + reference" : "model only");
+    OwnedJob j;
+    j.SetModelLogits(Share(Encode(FloatType::kFloat32, kN, kVocab, m)));
+    if (with_ref) {
+      j.SetReferenceLogits(Share(Encode(FloatType::kFloat32, kN, kVocab, r))).WithForwardKl();
+    } else {
+      j.WithEntropy();
+    }
+    const absl::StatusOr<ScoreResult> g = RunJob(*gpu, j.job);
+    const absl::StatusOr<ScoreResult> c = RunJob(*cpu, j.job);
+    ASSERT_FALSE(g.ok());
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(g.status(), c.status());
+    EXPECT_NE(std::string(g.status().message()).find(with_ref ? "row 17" : "row 29"),
+              std::string::npos)
+        << g.status();
+  }
+  {
+    SCOPED_TRACE("hidden state overflow");
+    auto w = RandomHead(rng, 300, 16, FloatType::kFloat32, 1.0, false, HeadTransform{});
+    w->weight = Encode(FloatType::kFloat32, 300, 16, std::vector<float>(300 * 16, 1.0f)).bytes;
+    auto gh = gpu->PrepareHead(w);
+    auto ch = cpu->PrepareHead(w);
+    ASSERT_TRUE(gh.ok() && ch.ok());
+    std::vector<float> hs = RandomNormal(rng, 20 * 16, 1.0);
+    for (int i = 0; i < 16; ++i) hs[13 * 16 + i] = 3e38f;
+    const SharedMatrix h = Share(Encode(FloatType::kFloat32, 20, 16, hs));
+    OwnedJob jg, jc;
+    jg.SetModelHidden(*gh, h).WithEntropy();
+    jc.SetModelHidden(*ch, h).WithEntropy();
+    const absl::StatusOr<ScoreResult> g = RunJob(*gpu, jg.job);
+    const absl::StatusOr<ScoreResult> c = RunJob(*cpu, jc.job);
+    ASSERT_FALSE(g.ok());
+    EXPECT_EQ(g.status(), c.status());
+  }
+}
+
+TEST(CudaBackendSetup, DevicesAndOptions) {
+  EXPECT_TRUE(CheckCudaDevices().ok()) << CheckCudaDevices();
+  std::printf("[ gpu       ] built for CUDA architectures %s\n", CudaArchitecturesBuilt());
+  CudaBackendOptions bad;
+  bad.devices = {VisibleCudaDevices()};
+  EXPECT_EQ(CreateCudaBackend(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  CudaBackendOptions twice;
+  twice.devices = {0, 0};
+  EXPECT_EQ(CreateCudaBackend(twice).status().code(), absl::StatusCode::kInvalidArgument);
+  std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->name(), "cuda");
+}
+
+}  // namespace
+}  // namespace logitserve::testing

@@ -1,0 +1,27 @@
+// CUDA backend configurations for the backend suites (tests/kernels/job_builder.h BackendFactory).
+//
+// The suites of tests/kernels (conformance, edge cases, determinism) name their backends through
+// CpuFactory / CpuShardConfigs; tests/gpu/CMakeLists.txt compiles those same sources with the two
+// names redefined to the functions below, so every suite runs unchanged against CudaBackend.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tests/kernels/job_builder.h"
+
+namespace logitserve::testing {
+
+// `shards` vocabulary shards: one per GPU when that many are visible (NCCL), else all on GPU 0
+// (device-copy exchange). A leading "cpu" in `name` becomes "cuda". `threads` is ignored.
+BackendFactory CudaFactory(std::string name, int shards, std::vector<int64_t> shard_weights,
+                           int threads);
+
+// The CPU suites' five layouts: one shard, two, three, uneven {1, 3}, {1, 0, 2} (empty middle).
+std::vector<BackendFactory> CudaShardConfigs();
+
+// The backend on exactly these devices with one shard each (NCCL across them).
+BackendFactory CudaDevicesFactory(std::string name, std::vector<int> devices);
+
+}  // namespace logitserve::testing
