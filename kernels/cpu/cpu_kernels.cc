@@ -121,11 +121,6 @@ HWY_INLINE VF ExpNonPositive(DF d, VF x) {
   return hn::IfThenElseZero(keep, r);
 }
 
-// Shifted logits are clamped before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
-// (shift -inf) drop out of the s and w sums without a select and without 0 * inf. (For s and w
-// the clamp changes nothing else: exp of any shift below -104 is already 0 in fp32.)
-constexpr float kClampShift = -200.0f;
-
 // Max over n >= 0 values, and the NaN / +inf flags.
 HWY_INLINE float MaxAndFlags(const float* HWY_RESTRICT z, int64_t n, uint32_t* flags) {
   const DF d;
@@ -228,9 +223,7 @@ PairBlockStats PairBlockStatsImpl(const float* HWY_RESTRICT a, const float* HWY_
   return out;
 }
 
-// JSD terms with the mixture in linear space: m = (1-beta) p_s + beta p_t, log m = log(m).
-// Two exps and one log per token. Masked tokens have p = exp(-200 clamp) = 0, and m is floored at
-// FLT_MIN, so every product is finite times finite: no 0 * inf.
+// JsdToken of block_stats.h, lane by lane: two exps and one log per token.
 float JsdBlockImpl(const float* HWY_RESTRICT s, const float* HWY_RESTRICT t, int64_t n,
                    RowNorm ns, RowNorm nt, float beta) {
   const DF d;

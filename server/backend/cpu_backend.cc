@@ -50,6 +50,12 @@ class CpuHead final : public PreparedHead {
   }
 };
 
+// What a rank reports when another rank failed: ABORTED, so that Score returns the failing
+// rank's own status rather than this one.
+absl::Status PeerFailed(int rank) {
+  return absl::AbortedError(absl::StrCat("vocabulary shard ", rank, " failed"));
+}
+
 int64_t BlockWidth(int64_t vocab, int64_t block) {
   return std::min(k::kVocabBlock, vocab - block * k::kVocabBlock);
 }
@@ -60,11 +66,13 @@ struct TileMessageLayout {
   int64_t max_blocks;    // widest shard, in blocks
   int64_t top_k;
   int64_t ids_per_row;
-  size_t stats_offset, topk_offset, count_offset, target_offset, bytes;
+  size_t failed_offset, stats_offset, topk_offset, count_offset, target_offset, bytes;
 
   TileMessageLayout(int64_t max_blocks_in, int64_t top_k_in, int64_t ids_in)
       : rows(kRowTile), max_blocks(max_blocks_in), top_k(top_k_in), ids_per_row(ids_in) {
-    stats_offset = 0;
+    failed_offset = 0;  // int32: this rank failed the tile (so every rank stops together)
+    stats_offset = alignof(k::PairBlockStats) > sizeof(int32_t) ? alignof(k::PairBlockStats)
+                                                                 : sizeof(int32_t);
     topk_offset = stats_offset + sizeof(k::PairBlockStats) * rows * max_blocks;
     count_offset = topk_offset + sizeof(k::TopKEntry) * rows * top_k;
     target_offset = count_offset + sizeof(int32_t) * rows;
@@ -359,11 +367,7 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   const auto& layout = *ctx_.layout;
   const int64_t nb_total = k::NumBlocks(job_.vocab);
   auto record = [&](int rank) { return recv_.data() + static_cast<size_t>(rank) * msg_.bytes; };
-  // Owner rank of each global block.
-  std::vector<int> owner(static_cast<size_t>(nb_total));
-  for (const auto& s : layout) {
-    for (int64_t b = s.begin / k::kVocabBlock; b * k::kVocabBlock < s.end; ++b) owner[static_cast<size_t>(b)] = s.shard;
-  }
+  const std::vector<int> owner = BlockOwners(layout, job_.vocab);
   model_rows_.assign(static_cast<size_t>(rows), k::EmptyRowStats());
   ref_rows_.assign(static_cast<size_t>(rows), k::EmptyRowStats());
   pair_rows_.assign(static_cast<size_t>(rows), k::EmptyPairRowStats());
@@ -453,7 +457,7 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   const float beta = *job_.jsd_beta;
   const int64_t shard_width = shard_.end - shard_.begin;
-  std::vector<float> partial(static_cast<size_t>(kRowTile * msg_.max_blocks), 0.0f);
+  std::vector<float> partial(static_cast<size_t>(kRowTile * msg_.max_blocks) + 1, 0.0f);
   std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
 #pragma omp parallel num_threads(ctx_.threads)
   {
@@ -490,12 +494,18 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
       }
     }
   }
+  absl::Status local = absl::OkStatus();
   for (const auto& s : status) {
-    if (!s.ok()) return s;
+    if (!s.ok()) local = s;
   }
+  partial.back() = local.ok() ? 0.0f : 1.0f;  // failure word, as in the tile exchange
   const size_t bytes = partial.size() * sizeof(float);
   std::vector<float> all(partial.size() * static_cast<size_t>(ctx_.comm->size()));
   if (auto s = ctx_.comm->AllGather(partial.data(), all.data(), bytes); !s.ok()) return s;
+  if (!local.ok()) return local;
+  for (int r = 0; r < ctx_.comm->size(); ++r) {
+    if (all[static_cast<size_t>(r + 1) * partial.size() - 1] != 0.0f) return PeerFailed(r);
+  }
   if (rank_ != 0) return absl::OkStatus();
   const auto& layout = *ctx_.layout;
   for (int64_t r = 0; r < rows; ++r) {
@@ -524,11 +534,19 @@ absl::Status RankWorker::Run() {
   for (int64_t row0 = 0; row0 < job_.rows; row0 += kRowTile) {
     const int64_t rows = std::min(kRowTile, job_.rows - row0);
     absl::Status s = ComputeTile(row0, rows);
-    // Every rank joins every collective even after a local failure, so no rank is left waiting;
-    // the failure is then reported after the exchange.
-    absl::Status g = ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes);
+    // Every rank joins every exchange even after a local failure, and the exchange carries the
+    // failure, so all ranks stop at the same point and none is left waiting in a collective.
+    *reinterpret_cast<int32_t*>(send_.data() + msg_.failed_offset) = s.ok() ? 0 : 1;
+    if (absl::Status g = ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes); !g.ok()) {
+      return g;
+    }
     if (!s.ok()) return s;
-    if (!g.ok()) return g;
+    for (int r = 0; r < ctx_.comm->size(); ++r) {
+      if (*reinterpret_cast<const int32_t*>(recv_.data() + static_cast<size_t>(r) * msg_.bytes +
+                                            msg_.failed_offset) != 0) {
+        return PeerFailed(r);
+      }
+    }
     if (auto f = FoldTile(row0, rows); !f.ok()) return f;
     if (jsd_pass_) {
       if (auto j = JsdTile(row0, rows); !j.ok()) return j;
@@ -567,6 +585,10 @@ absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
   for (int r = 1; r < shards; ++r) others.emplace_back(run_rank, r);
   run_rank(0);
   for (auto& t : others) t.join();
+  // The failing rank's own status first; ABORTED only says "another shard failed".
+  for (const auto& s : status) {
+    if (!s.ok() && !absl::IsAborted(s)) return s;
+  }
   for (const auto& s : status) {
     if (!s.ok()) return s;
   }

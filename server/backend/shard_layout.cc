@@ -28,4 +28,15 @@ std::vector<ShardRange> MakeShardLayout(int64_t vocab, int shards,
   return layout;
 }
 
+std::vector<int> BlockOwners(const std::vector<ShardRange>& layout, int64_t vocab) {
+  std::vector<int> owner(static_cast<size_t>(kernels::NumBlocks(vocab)), -1);
+  for (const ShardRange& s : layout) {
+    if (s.begin >= s.end) continue;  // an empty shard (possibly [V, V) at the end) owns nothing
+    for (int64_t b = s.begin / kernels::kVocabBlock; b * kernels::kVocabBlock < s.end; ++b) {
+      owner[static_cast<size_t>(b)] = s.shard;
+    }
+  }
+  return owner;
+}
+
 }  // namespace logitserve

@@ -14,4 +14,7 @@ namespace logitserve {
 std::vector<ShardRange> MakeShardLayout(int64_t vocab, int shards,
                                         const std::vector<int64_t>& weights);
 
+// The shard that owns each global vocabulary block (empty shards own none).
+std::vector<int> BlockOwners(const std::vector<ShardRange>& layout, int64_t vocab);
+
 }  // namespace logitserve

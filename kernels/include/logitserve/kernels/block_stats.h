@@ -211,24 +211,33 @@ struct RowNorm {
 
 LOGITSERVE_HD RowNorm NormOf(const RowStats& r) { return RowNorm{r.m, std::log(r.s)}; }
 
-// One token's JSD_beta term with student log-prob ls and teacher log-prob lt (either may be
-// -inf for a masked token), for 0 < beta < 1:
-//   log m = logaddexp(log(1-beta) + ls, log(beta) + lt)
-//   term  = beta q (lt - log m) + (1-beta) p (ls - log m)
-// Each product is skipped when its probability is exactly zero (masked), so 0 * inf never occurs;
-// lt - log m <= -log(beta) and ls - log m <= -log(1-beta) stay finite under support mismatch.
-LOGITSERVE_HD float JsdTerm(float ls, float lt, float beta, float log_beta,
-                            float log_one_minus_beta) {
-  const float xs = log_one_minus_beta + ls;
-  const float xt = log_beta + lt;
-  const float hi = xs > xt ? xs : xt;
-  if (hi == NegInf()) return 0.0f;
-  const float lo = xs > xt ? xt : xs;
-  const float log_m = hi + std::log1p(std::exp(lo - hi));
-  float term = 0.0f;
-  if (lt != NegInf()) term += beta * std::exp(lt) * (lt - log_m);
-  if (ls != NegInf()) term += (1.0f - beta) * std::exp(ls) * (ls - log_m);
-  return term;
+// Shifted logits and log-probabilities are clamped to kClampShift before exp: exp(-200) is 0 in
+// fp32 and 0 * -200 is 0, so masked tokens (-inf) drop out of exp-weighted sums with no select
+// and no 0 * inf. (Any shift below about -104 already gives exp = 0 in fp32, so the clamp
+// changes no sum.) Cross terms that multiply by a shift difference must NOT use the clamped
+// values: a deep but finite logit is underflow, not masking.
+inline constexpr float kClampShift = -200.0f;
+
+// The per-token JSD_beta contributions (0 < beta < 1), student log-prob ls, teacher log-prob lt
+// (already clamped to >= kClampShift; masked tokens sit at the clamp with probability 0):
+//   p = exp(ls), q = exp(lt), m = max((1-beta) p + beta q, FLT_MIN)  (the mixture, linear space)
+//   teacher part  q (lt - log m),  student part  p (ls - log m)
+// A block's partial is beta * sum(teacher parts) + (1-beta) * sum(student parts). The floor on m
+// only acts where p and q both underflow, where both parts are 0 * finite = 0. Under support
+// mismatch lt - log m <= -log(beta) and ls - log m <= -log(1-beta): finite.
+// The CPU (Highway) and CUDA kernels evaluate these expressions lane by lane (they may fuse a
+// multiply and an add into one FMA).
+struct JsdParts {
+  float teacher;
+  float student;
+};
+LOGITSERVE_HD JsdParts JsdToken(float ls, float lt, float beta) {
+  const float p = std::exp(ls);
+  const float q = std::exp(lt);
+  float m = beta * q + (1.0f - beta) * p;
+  if (!(m >= 1.17549435e-38f)) m = 1.17549435e-38f;
+  const float log_m = std::log(m);
+  return JsdParts{q * (lt - log_m), p * (ls - log_m)};
 }
 
 }  // namespace logitserve::kernels
