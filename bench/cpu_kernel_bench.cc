@@ -1,6 +1,7 @@
 // logitserve-cpu-bench: the CPU backend on raw fp32 logits against the machine's memory-read floor
-// measured in the same run. Also a correctness check: a sample of rows is compared with an fp64
-// computation and rows outside tolerance are counted as #wrong (as nccl-tests does).
+// measured in the same run. Also a correctness check: for 16 sample rows every output of the op
+// is compared with the fp64 reference (kernels/reference) and values outside tolerance are
+// counted as #wrong (as nccl-tests does).
 //
 //   logitserve-cpu-bench [--rows 2048] [--vocab 32000] [--iters 5] [--threads 0] [--json FILE]
 //
@@ -22,6 +23,7 @@
 #include "CLI/CLI.hpp"
 #include "hwy/highway.h"
 #include "nlohmann/json.hpp"
+#include "kernels/reference/reference.h"
 #include "server/backend/backend.h"
 
 namespace hn = hwy::HWY_NAMESPACE;
@@ -62,16 +64,38 @@ double BestMs(int iters, F&& f) {
   return best;
 }
 
-// fp64 row statistics for the correctness sample.
-struct Ref {
-  double lse;
-};
-double Lse(const float* z, int64_t v) {
-  double m = -INFINITY;
-  for (int64_t j = 0; j < v; ++j) m = std::max(m, static_cast<double>(z[j]));
-  double s = 0;
-  for (int64_t j = 0; j < v; ++j) s += std::exp(z[j] - m);
-  return m + std::log(s);
+// |got - want| <= kAbsTol + kRelTol |want|. Rows hold 32000 N(0, 3) logits, |z| < 20: fp32
+// rounding of z - M and of the sums over V terms gives errors ~ V eps |z| ~ 1e-3 worst case,
+// typically 1e-5; the bound catches any real defect (a wrong or missing block is >= 1e-3).
+constexpr double kAbsTol = 2e-4;
+constexpr double kRelTol = 1e-5;
+
+bool Close(double got, double want) {
+  if (std::isnan(want) || std::isnan(got)) return std::isnan(want) && std::isnan(got);
+  if (std::isinf(want) || std::isinf(got)) return got == want;
+  return std::abs(got - want) <= kAbsTol + kRelTol * std::abs(want);
+}
+
+// Compares every requested output of 16 sample rows with the fp64 reference.
+int CountWrong(const ScoreJob& job, const ScoreResult& r) {
+  int wrong = 0;
+  for (int64_t row = 0; row < job.rows; row += std::max<int64_t>(1, job.rows / 16)) {
+    const auto ref = logitserve::reference::ScoreReferenceRow(job, row);
+    const size_t i = static_cast<size_t>(row);
+    for (int64_t j = 0; j < job.ids_per_row; ++j) {
+      const size_t t = static_cast<size_t>(row * job.ids_per_row + j);
+      wrong += !Close(r.target_logprobs[t], ref.target_logprobs[static_cast<size_t>(j)]);
+    }
+    for (int64_t j = 0; j < job.top_k; ++j) {
+      const size_t t = static_cast<size_t>(row * job.top_k + j);
+      wrong += !Close(r.top_k_logprobs[t], ref.top_k[static_cast<size_t>(j)].logprob);
+    }
+    if (job.entropy) wrong += !Close(r.entropy[i], ref.entropy);
+    if (job.forward_kl) wrong += !Close(r.forward_kl[i], ref.forward_kl);
+    if (job.reverse_kl) wrong += !Close(r.reverse_kl[i], ref.reverse_kl);
+    if (job.jsd_beta) wrong += !Close(r.jsd[i], ref.jsd);
+  }
+  return wrong;
 }
 
 }  // namespace
@@ -150,13 +174,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s: %s\n", op.name.c_str(), status.ToString().c_str());
       return 1;
     }
-    // Correctness sample: target logprob of 16 rows against fp64 (|err| <= 1e-4 + 1e-5 |lp|).
-    int wrong = 0;
-    for (int64_t r = 0; r < rows; r += std::max<int64_t>(1, rows / 16)) {
-      const float* z = a.data() + r * vocab;
-      const double lp = z[ids[static_cast<size_t>(r)]] - Lse(z, vocab);
-      if (std::abs(result.target_logprobs[static_cast<size_t>(r)] - lp) > 1e-4 + 1e-5 * std::abs(lp)) ++wrong;
-    }
+    const int wrong = CountWrong(job, result);
     total_wrong += wrong;
     const double op_bytes = bytes * op.reads;
     const double floor_ms = op_bytes / (floor_gbs * 1e6);
