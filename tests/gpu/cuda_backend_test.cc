@@ -339,10 +339,13 @@ INSTANTIATE_TEST_SUITE_P(Sweep, CudaHidden, ::testing::ValuesIn(HiddenCases()),
 // ---- (b) determinism -----------------------------------------------------------------------
 
 // Layouts whose results must all be the same bits: one GPU, three shards on one GPU with an
-// empty middle shard, and (when visible) two GPUs through NCCL.
+// empty middle shard, trailing empty shards (clamped to [V, V), off a block boundary for the
+// vocabularies used here), and (when visible) two GPUs through NCCL.
 std::vector<BackendFactory> Layouts() {
   std::vector<BackendFactory> f = {CudaDevicesFactory("one_gpu", {0}),
-                                   CudaFactory("cuda_shards_1_0_2_one_gpu", 3, {1, 0, 2}, 0)};
+                                   CudaFactory("cuda_shards_1_0_2_one_gpu", 3, {1, 0, 2}, 0),
+                                   CudaFactory("cuda_shards_1_0", 2, {1, 0}, 0),
+                                   CudaFactory("cuda_shards_2_1_0", 3, {2, 1, 0}, 0)};
   if (VisibleCudaDevices() >= 2) {
     f.push_back(CudaDevicesFactory("two_gpus", {0, 1}));
   } else {
@@ -563,6 +566,58 @@ TEST(CudaErrors, NaNAndInfMessagesMatchCpu) {
     const absl::StatusOr<ScoreResult> c = RunJob(*cpu, jc.job);
     ASSERT_FALSE(g.ok());
     EXPECT_EQ(g.status(), c.status());
+  }
+}
+
+// One rank failing (an injected error at one of its checkpoints) stops every rank at that same
+// checkpoint: the job returns the failing rank's own error instead of hanging in a collective,
+// and the backend then serves the next job with the bits of a backend that never failed.
+TEST(CudaErrors, OneRankFailingStopsEveryRankAndTheBackendRecovers) {
+  constexpr int64_t kVocab = 5000;  // shards [0, 2048) and [2048, 5000)
+  constexpr int64_t kTileRows = 4;
+  std::mt19937_64 rng(41);
+  auto job_of = [](const LogitsPair& in, const std::vector<int32_t>& ids) {
+    OwnedJob j;
+    j.SetModelLogits(in.model).SetReferenceLogits(in.reference).WithEverything(ids, 2, 3, 0.3f);
+    return j;
+  };
+  const LogitsPair big = MakeLogits(rng, FloatType::kBFloat16, 4 * kTileRows, kVocab);
+  const std::vector<int32_t> big_ids = RandomTargets(rng, 4 * kTileRows, 2, kVocab, -100, 0.2);
+  const LogitsPair small = MakeLogits(rng, FloatType::kBFloat16, kTileRows, kVocab);
+  const std::vector<int32_t> small_ids = RandomTargets(rng, kTileRows, 2, kVocab, -100, 0.2);
+  const OwnedJob big_job = job_of(big, big_ids);
+  const OwnedJob small_job = job_of(small, small_ids);
+  auto options = [&](int fail_rank, int64_t fail_step) {
+    CudaBackendOptions o;
+    o.shards = 2;
+    o.devices = VisibleCudaDevices() >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0};
+    // Staging for kTileRows rows of the widest shard (2952 ids) of both bf16 distributions.
+    o.logits_staging_bytes = static_cast<size_t>(kTileRows * 2952 * 2 * 2);
+    o.test_fail_rank = fail_rank;
+    o.test_fail_step = fail_step;
+    return o;
+  };
+  absl::StatusOr<std::unique_ptr<Backend>> clean = CreateCudaBackend(options(-1, -1));
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  LOGITSERVE_ASSERT_SCORE(expected, **clean, small_job.job);
+  // The JSD pass makes two checkpoints per tile: 4 tiles of the big job give steps 0..7; the
+  // small job (one tile) reaches steps 0 and 1 only.
+  for (int fail_rank : {0, 1}) {
+    for (int64_t fail_step : {0, 1, 2, 5, 7}) {
+      SCOPED_TRACE("rank " + std::to_string(fail_rank) + " fails at checkpoint " +
+                   std::to_string(fail_step));
+      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(options(fail_rank, fail_step));
+      ASSERT_TRUE(b.ok()) << b.status();
+      const absl::StatusOr<ScoreResult> failed = RunJob(**b, big_job.job);
+      ASSERT_FALSE(failed.ok());
+      EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+      EXPECT_NE(std::string(failed.status().message()).find("injected"), std::string::npos)
+          << failed.status();
+      if (fail_step >= 2) {
+        LOGITSERVE_ASSERT_SCORE(after, **b, small_job.job);
+        ExpectBitwiseEqual(after, expected);
+      }
+    }
   }
 }
 

@@ -30,6 +30,10 @@ std::vector<BackendFactory> CudaShardConfigs() {
       CudaFactory("cuda_3shards", 3, {}, 0),
       CudaFactory("cuda_uneven_1_3", 2, {1, 3}, 0),
       CudaFactory("cuda_empty_1_0_2", 3, {1, 0, 2}, 0),
+      // Trailing empty shards: MakeShardLayout clamps them to [V, V), which is not a block
+      // boundary when V % kVocabBlock != 0; the real last block must stay with its owner.
+      CudaFactory("cuda_trailing_empty_1_0", 2, {1, 0}, 0),
+      CudaFactory("cuda_trailing_empty_2_1_0", 3, {2, 1, 0}, 0),
   };
 }
 

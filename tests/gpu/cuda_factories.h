@@ -18,7 +18,8 @@ namespace logitserve::testing {
 BackendFactory CudaFactory(std::string name, int shards, std::vector<int64_t> shard_weights,
                            int threads);
 
-// The CPU suites' five layouts: one shard, two, three, uneven {1, 3}, {1, 0, 2} (empty middle).
+// The CPU suites' layouts: one shard, two, three, uneven {1, 3}, {1, 0, 2} (empty middle), and
+// trailing empty shards {1, 0} and {2, 1, 0}.
 std::vector<BackendFactory> CudaShardConfigs();
 
 // The backend on exactly these devices with one shard each (NCCL across them).

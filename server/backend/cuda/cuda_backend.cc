@@ -144,6 +144,54 @@ struct JobPlan {
   std::vector<bool> ref_zero_copy;
 };
 
+// The first failure of a job, shared by its rank threads so that every rank takes the same
+// decision before each collective. Ranks meet at numbered checkpoints (the same sequence on every
+// rank: one before each all-gather); a rank that failed since its previous checkpoint records the
+// checkpoint's number, and after the barrier every rank compares the recorded number with its own:
+// all stop at the same checkpoint, so none is left waiting in a collective its peers skipped.
+// Later failures (a rank that has already passed checkpoint s failing before s + 1) cannot change
+// the decision at s: they record s + 1 or later.
+class JobFailure {
+ public:
+  explicit JobFailure(int ranks) : barrier_(ranks) {}
+  // Every rank calls this at checkpoint `step` with its failure since the previous one. True:
+  // some rank failed (at this checkpoint or before); every rank gets the same answer.
+  bool Failed(int64_t step, int rank, bool failed_locally) {
+    if (failed_locally) {
+      absl::MutexLock lock(&mu_);
+      if (step < step_ || (step == step_ && rank < rank_)) {
+        step_ = step;
+        rank_ = rank;
+      }
+    }
+    if (barrier_.size() > 1) barrier_.Wait();
+    absl::MutexLock lock(&mu_);
+    return step_ <= step;
+  }
+  // Records a failure after the last checkpoint (nothing depends on it but the returned status).
+  void Note(int rank) {
+    absl::MutexLock lock(&mu_);
+    if (rank_ < 0) rank_ = rank;
+  }
+  // The rank whose status the job returns, or -1.
+  int rank() const {
+    absl::MutexLock lock(&mu_);
+    return rank_;
+  }
+
+ private:
+  HostBarrier barrier_;
+  mutable absl::Mutex mu_;
+  int64_t step_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int64_t>::max();
+  int rank_ ABSL_GUARDED_BY(mu_) = -1;
+};
+
+// What a rank reports when another rank failed: ABORTED, naming the shard whose own status the
+// job returns.
+absl::Status PeerFailed(int rank) {
+  return absl::AbortedError(absl::StrCat("vocabulary shard ", rank, " failed"));
+}
+
 // Where a pointer lives: the device holding it, or -1 for host memory.
 int DeviceOf(const void* p) {
   cudaPointerAttributes attr{};
@@ -162,7 +210,8 @@ k::PairBlockStats* StatsOf(uint8_t* msg, const kc::TileMessage& m) {
 
 class RankWorker {
  public:
-  RankWorker(Rank& rank, const JobPlan& plan, int num_ranks)
+  RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure,
+             int64_t test_fail_step)
       : rank_(rank),
         plan_(plan),
         job_(*plan.job),
@@ -170,12 +219,14 @@ class RankWorker {
         shard_(plan.layout[static_cast<size_t>(rank.index)]),
         shard_width_(shard_.end - shard_.begin),
         num_chunks_(shard_width_ > 0 ? CeilDiv(shard_width_, plan.chunk_cols) : 0),
-        reports_(rank.index == 0) {}
+        reports_(rank.index == 0),
+        failure_(failure),
+        test_fail_step_(test_fail_step) {}
 
   // Allocates the job's workspace and uploads the target ids. No collectives.
   absl::Status Prepare();
-  // Every tile. Joins every collective even after a local failure, so no rank is left waiting;
-  // returns the first failure.
+  // Every tile. Before each collective the ranks agree (JobFailure) whether any of them failed;
+  // if so, all return there (the failing rank its own status, the others PeerFailed).
   absl::Status Run();
   // Rank 0: copies the outputs into `result` and the bad-row markers into first_bad. Every rank
   // waits for its stream and checks NCCL.
@@ -218,6 +269,8 @@ class RankWorker {
   const int64_t shard_width_;
   const int64_t num_chunks_;
   const bool reports_;  // rank 0 writes the outputs
+  JobFailure& failure_;
+  const int64_t test_fail_step_;  // CudaBackendOptions::test_fail_step when this rank fails
 
   Dist model_, ref_;
   uint8_t* send_ = nullptr;
@@ -493,24 +546,36 @@ absl::Status RankWorker::JsdGatherAndFinish(int64_t row0, int64_t rows) {
 absl::Status RankWorker::Run() {
   DeviceGuard guard(rank_.device);
   if (auto s = guard.status(); !s.ok()) return s;
-  absl::Status first = absl::OkStatus();
-  auto note = [&first](absl::Status s) {
-    if (first.ok() && !s.ok()) first = std::move(s);
+  int64_t step = 0;
+  absl::Status local = absl::OkStatus();  // the first failure since the previous checkpoint
+  auto note = [&local](absl::Status s) {
+    if (local.ok() && !s.ok()) local = std::move(s);
+  };
+  // A checkpoint: true when the job stops here; `local` then holds this rank's status.
+  auto stop = [&]() {
+    if (step == test_fail_step_) note(absl::InternalError("injected failure (test_fail_step)"));
+    const bool stop_here = failure_.Failed(step++, rank_.index, !local.ok());
+    if (stop_here && local.ok()) local = PeerFailed(failure_.rank());
+    return stop_here;
   };
   for (int64_t row0 = 0; row0 < job_.rows; row0 += plan_.tile_rows) {
     const int64_t rows = std::min(plan_.tile_rows, job_.rows - row0);
-    if (first.ok()) note(ComputeTile(row0, rows));
+    note(ComputeTile(row0, rows));
+    if (stop()) return local;
     if (num_ranks_ > 1) note(rank_.comm->AllGather(send_, recv_, plan_.msg.bytes));
-    if (first.ok()) note(FoldTile(row0, rows));
+    if (local.ok()) note(FoldTile(row0, rows));
     if (!plan_.jsd_pass) continue;
-    if (first.ok()) note(JsdTile(row0, rows));
+    if (local.ok()) note(JsdTile(row0, rows));
+    if (stop()) return local;
     if (num_ranks_ > 1) {
       const size_t bytes = static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float);
       note(rank_.comm->AllGather(partial_send_, partial_recv_, bytes));
     }
-    if (first.ok()) note(JsdGatherAndFinish(row0, rows));
+    if (local.ok()) note(JsdGatherAndFinish(row0, rows));
   }
-  return first;
+  // No collective follows: a failure after the last checkpoint only needs reporting.
+  if (!local.ok()) failure_.Note(rank_.index);
+  return local;
 }
 
 absl::Status RankWorker::Finish(ScoreResult* result, int32_t* first_bad) {
@@ -736,6 +801,14 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
       rows = std::min<int64_t>(
           rows, static_cast<int64_t>(options_.logits_staging_bytes) / staging_per_row);
     }
+    // JSD re-reads the tile after the fold: a tile that fits in L2 (both distributions of the
+    // widest shard) serves that second pass from L2 instead of HBM.
+    if (p.jsd_pass && options_.jsd_tile_bytes > 0) {
+      const int64_t row_bytes =
+          widest * (k::SizeOf(job.model.logits.type) + k::SizeOf(job.reference.logits.type));
+      rows = std::min<int64_t>(
+          rows, static_cast<int64_t>(options_.jsd_tile_bytes) / std::max<int64_t>(row_bytes, 1));
+    }
     p.tile_rows = std::clamp<int64_t>(std::min(rows, job.rows), 1, kMaxLogitsTileRows);
   }
   p.msg = kc::MakeTileMessage(p.tile_rows, p.max_blocks, job.top_k, job.ids_per_row);
@@ -768,25 +841,29 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   const int ranks = static_cast<int>(ranks_.size());
   std::vector<absl::Status> status(static_cast<size_t>(ranks));
   int32_t first_bad[2] = {kNoBadRow, kNoBadRow};
-  HostBarrier prepared(ranks);
-  std::atomic<bool> prepare_failed{false};
+  JobFailure failure(ranks);
   auto run_rank = [&](int r) {
-    RankWorker worker(*ranks_[static_cast<size_t>(r)], *plan, ranks);
+    RankWorker worker(*ranks_[static_cast<size_t>(r)], *plan, ranks, failure,
+                      r == options_.test_fail_rank ? options_.test_fail_step : -1);
+    // Prepare only allocates and uploads; the ranks agree on it before the first collective.
     absl::Status s = worker.Prepare();
-    if (!s.ok()) prepare_failed = true;
-    prepared.Wait();  // no rank enters a collective unless every rank is ready for it
-    if (prepare_failed) {
-      status[static_cast<size_t>(r)] = s;
+    if (failure.Failed(-1, r, !s.ok())) {
+      status[static_cast<size_t>(r)] = s.ok() ? PeerFailed(failure.rank()) : s;
       return;
     }
     s = worker.Run();
     absl::Status f = worker.Finish(result, first_bad);
+    if (s.ok() && !f.ok()) failure.Note(r);
     status[static_cast<size_t>(r)] = s.ok() ? f : s;
   };
   std::vector<std::thread> others;
   for (int r = 1; r < ranks; ++r) others.emplace_back(run_rank, r);
   run_rank(0);
   for (auto& t : others) t.join();
+  // The failing rank's own status (the others report PeerFailed).
+  if (const int culprit = failure.rank(); culprit >= 0) {
+    return status[static_cast<size_t>(culprit)];
+  }
   for (const auto& s : status) {
     if (!s.ok()) return s;
   }

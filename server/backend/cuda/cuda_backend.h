@@ -45,6 +45,17 @@ struct CudaBackendOptions {
   // Device memory a rank may use for staging host logits per row tile (logits mode); the tile's
   // row count follows from it and never changes a result.
   size_t logits_staging_bytes = size_t{1} << 30;
+  // Logits mode with a JSD pass (0 < beta < 1): the row tile holds at most this many bytes of
+  // both distributions, so the second pass re-reads it from L2 (H200: 50 MB). 0 = no cap. Tile
+  // size never changes a result; smaller tiles cost more launches and, across GPUs, more
+  // all-gathers.
+  size_t jsd_tile_bytes = size_t{32} << 20;
+  // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
+  // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
+  // order the ranks meet before each all-gather: one per row tile, two with a JSD pass). Exercises
+  // the ranks' agreement to stop together after one of them fails.
+  int test_fail_rank = -1;
+  int64_t test_fail_step = -1;
 };
 
 // OK when every device in `devices` (empty = all visible) can run this build's kernels.
