@@ -3,10 +3,12 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/wire/dtype.h"
 #include "logitserve/kernels/dtype.h"
 
 namespace logitserve::client {
@@ -66,21 +68,6 @@ v1::Tensor Float16TensorFromBits(std::span<const uint16_t> bits,
   return Pack(v1::FLOAT16, bits, shape);
 }
 
-int64_t DTypeSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::FLOAT32:
-    case v1::INT32:
-      return 4;
-    case v1::BFLOAT16:
-    case v1::FLOAT16:
-      return 2;
-    case v1::INT64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 const char* DTypeName(v1::DType dtype) {
   switch (dtype) {
     case v1::FLOAT32:
@@ -99,7 +86,7 @@ const char* DTypeName(v1::DType dtype) {
 }
 
 absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field) {
-  const int64_t size = DTypeSize(tensor.dtype());
+  const int64_t size = wire::DTypeSize(tensor.dtype());
   if (size == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is unspecified or unknown"));
   }
@@ -120,23 +107,15 @@ absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field) {
 absl::StatusOr<std::vector<float>> FloatsOf(const v1::Tensor& tensor) {
   if (absl::Status s = CheckTensor(tensor, "tensor"); !s.ok()) return s;
   const std::string& data = tensor.data();
-  const int64_t n = static_cast<int64_t>(data.size()) / DTypeSize(tensor.dtype());
+  const int64_t n = static_cast<int64_t>(data.size()) / wire::DTypeSize(tensor.dtype());
   std::vector<float> out(n);
-  switch (tensor.dtype()) {
-    case v1::FLOAT32:
-      std::memcpy(out.data(), data.data(), data.size());
-      return out;
-    case v1::BFLOAT16:
-    case v1::FLOAT16: {
-      const auto type = tensor.dtype() == v1::BFLOAT16 ? kernels::FloatType::kBFloat16
-                                                       : kernels::FloatType::kFloat16;
-      for (int64_t i = 0; i < n; ++i) out[i] = kernels::LoadAsFloat(type, data.data(), i);
-      return out;
-    }
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("expected a floating-point tensor, got ", DTypeName(tensor.dtype())));
+  const std::optional<kernels::FloatType> type = wire::FloatTypeOf(tensor.dtype());
+  if (!type.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected a floating-point tensor, got ", DTypeName(tensor.dtype())));
   }
+  for (int64_t i = 0; i < n; ++i) out[i] = kernels::LoadAsFloat(*type, data.data(), i);
+  return out;
 }
 
 absl::StatusOr<std::vector<int64_t>> IntsOf(const v1::Tensor& tensor) {
@@ -165,7 +144,7 @@ v1::Tensor SliceRows(const v1::Tensor& tensor, int64_t begin, int64_t end) {
     out.add_shape(tensor.shape(i));
     row_elements *= tensor.shape(i);
   }
-  const int64_t row_bytes = row_elements * DTypeSize(tensor.dtype());
+  const int64_t row_bytes = row_elements * wire::DTypeSize(tensor.dtype());
   out.mutable_data()->assign(tensor.data(), begin * row_bytes, (end - begin) * row_bytes);
   return out;
 }

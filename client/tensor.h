@@ -31,9 +31,6 @@ v1::Tensor BFloat16TensorFromBits(std::span<const uint16_t> bits,
                                   const std::vector<int64_t>& shape);
 v1::Tensor Float16TensorFromBits(std::span<const uint16_t> bits, const std::vector<int64_t>& shape);
 
-// Bytes per element of `dtype`; 0 for DTYPE_UNSPECIFIED or an unknown value.
-int64_t DTypeSize(v1::DType dtype);
-
 // "float32", "bfloat16", "float16", "int32", "int64" (or "unspecified").
 const char* DTypeName(v1::DType dtype);
 

@@ -9,38 +9,32 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/tensor.h"
+#include "common/safetensors/float_type.h"
 #include "common/safetensors/safetensors.h"
+#include "common/wire/dtype.h"
 #include "logitserve/kernels/dtype.h"
+// Header-only fp32 -> fp16 rounding; it lives with the heads (its first user).
+#include "server/heads/float16.h"
 
 namespace logitserve::client {
 namespace {
 
+// The wire dtype of a safetensors dtype the wire carries (F32, BF16, F16, I32, I64).
 std::optional<v1::DType> WireDType(SafetensorsDType dtype) {
-  switch (dtype) {
-    case SafetensorsDType::kFloat32:
-      return v1::FLOAT32;
-    case SafetensorsDType::kBFloat16:
-      return v1::BFLOAT16;
-    case SafetensorsDType::kFloat16:
-      return v1::FLOAT16;
-    case SafetensorsDType::kInt32:
-      return v1::INT32;
-    case SafetensorsDType::kInt64:
-      return v1::INT64;
-    default:
-      return std::nullopt;
+  if (const std::optional<kernels::FloatType> t = FloatTypeFromSafetensors(dtype)) {
+    return wire::DTypeOf(*t);
   }
+  if (dtype == SafetensorsDType::kInt32) return v1::INT32;
+  if (dtype == SafetensorsDType::kInt64) return v1::INT64;
+  return std::nullopt;
 }
-
-bool IsFloat(v1::DType d) { return d == v1::FLOAT32 || d == v1::BFLOAT16 || d == v1::FLOAT16; }
 
 // Copies tensor `name` of `file` into `out` after checking dtype class and rank.
 absl::Status CopyTensor(const SafetensorsFile& file, const std::string& name, bool integer,
                         int min_rank, int max_rank, v1::Tensor& out) {
   const SafetensorsTensor* t = file.Find(name);
   const std::optional<v1::DType> dtype = WireDType(t->dtype);
-  if (!dtype.has_value() || IsFloat(*dtype) == integer) {
+  if (!dtype.has_value() || wire::IsIndexDType(*dtype) != integer) {
     return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name, "' has dtype ",
                                                    SafetensorsDTypeName(t->dtype), "; expected ",
                                                    integer ? "I32 or I64" : "F32, BF16 or F16"));
@@ -137,8 +131,9 @@ absl::Status WriteDemoInput(const MakeInputOptions& o) {
         "make-input: need rows >= 0, hidden size >= 1, vocab >= 1, targets per row >= 0, "
         "scale >= 0");
   }
-  if (o.dtype != v1::FLOAT32 && o.dtype != v1::BFLOAT16) {
-    return absl::InvalidArgumentError("make-input: dtype must be f32 or bf16");
+  const std::optional<kernels::FloatType> float_type = wire::FloatTypeOf(o.dtype);
+  if (!float_type.has_value()) {
+    return absl::InvalidArgumentError("make-input: dtype must be f32, bf16 or f16");
   }
   if (o.vocab > (int64_t{1} << 31) - 1) {
     return absl::InvalidArgumentError("make-input: vocab must fit in int32 ids");
@@ -148,19 +143,27 @@ absl::Status WriteDemoInput(const MakeInputOptions& o) {
   std::vector<std::vector<uint8_t>> buffers;
   buffers.reserve(3);
   std::vector<SafetensorsTensorToWrite> tensors;
-  const SafetensorsDType file_dtype =
-      o.dtype == v1::FLOAT32 ? SafetensorsDType::kFloat32 : SafetensorsDType::kBFloat16;
+  const SafetensorsDType file_dtype = SafetensorsDTypeFromFloatType(*float_type);
   auto add_floats = [&](const std::string& name, int64_t cols) {
     std::vector<uint8_t>& bytes = buffers.emplace_back();
     const int64_t n = o.rows * cols;
-    bytes.resize(n * (o.dtype == v1::FLOAT32 ? 4 : 2));
+    bytes.resize(n * kernels::SizeOf(*float_type));
     for (int64_t i = 0; i < n; ++i) {
       const float v = static_cast<float>(o.scale * gen.Next());
-      if (o.dtype == v1::FLOAT32) {
-        std::memcpy(bytes.data() + 4 * i, &v, 4);
-      } else {
-        const uint16_t b = kernels::FloatToBFloat16(v);
-        std::memcpy(bytes.data() + 2 * i, &b, 2);
+      switch (*float_type) {
+        case kernels::FloatType::kFloat32:
+          std::memcpy(bytes.data() + 4 * i, &v, 4);
+          break;
+        case kernels::FloatType::kBFloat16: {
+          const uint16_t b = kernels::FloatToBFloat16(v);
+          std::memcpy(bytes.data() + 2 * i, &b, 2);
+          break;
+        }
+        case kernels::FloatType::kFloat16: {
+          const uint16_t h = FloatToFloat16(v);
+          std::memcpy(bytes.data() + 2 * i, &h, 2);
+          break;
+        }
       }
     }
     tensors.push_back({name, file_dtype, {o.rows, cols}, bytes});

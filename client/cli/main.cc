@@ -247,7 +247,7 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   make->add_option("--seed", mo.seed, "Generator seed")->capture_default_str();
   make->add_option("--dtype", dtype, "Element type of the float tensors")
-      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
       ->capture_default_str();
   make->add_option("--targets-per-row", mo.targets_per_row, "K target ids per row (0 = none)")
       ->capture_default_str();
@@ -286,7 +286,7 @@ int Main(int argc, char** argv) {
   }
   if (score->parsed()) return RunScore(conn, sf, *score);
   if (make->parsed()) {
-    mo.dtype = dtype == "f32" ? v1::FLOAT32 : v1::BFLOAT16;
+    mo.dtype = dtype == "f32" ? v1::FLOAT32 : dtype == "f16" ? v1::FLOAT16 : v1::BFLOAT16;
     if (absl::Status s = WriteDemoInput(mo); !s.ok()) return Fail(s, kExitUsageError);
     std::printf("wrote %s\n", mo.output.c_str());
     return 0;

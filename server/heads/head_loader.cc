@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/safetensors/float_type.h"
 #include "server/heads/float16.h"
 #include "spdlog/spdlog.h"
 
@@ -170,31 +171,6 @@ absl::string_view FloatTypeName(FloatType type) {
       return "fp16";
   }
   return "?";
-}
-
-std::optional<FloatType> FloatTypeFromSafetensors(SafetensorsDType dtype) {
-  switch (dtype) {
-    case SafetensorsDType::kFloat32:
-      return FloatType::kFloat32;
-    case SafetensorsDType::kBFloat16:
-      return FloatType::kBFloat16;
-    case SafetensorsDType::kFloat16:
-      return FloatType::kFloat16;
-    default:
-      return std::nullopt;
-  }
-}
-
-SafetensorsDType SafetensorsDTypeFromFloatType(FloatType type) {
-  switch (type) {
-    case FloatType::kFloat32:
-      return SafetensorsDType::kFloat32;
-    case FloatType::kBFloat16:
-      return SafetensorsDType::kBFloat16;
-    case FloatType::kFloat16:
-      return SafetensorsDType::kFloat16;
-  }
-  return SafetensorsDType::kFloat32;
 }
 
 absl::StatusOr<SyntheticHeadSpec> ParseSyntheticHeadSpec(absl::string_view spec) {

@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -40,11 +39,8 @@ inline constexpr double kSyntheticLogitStd = 3.0;
 // OK when `name` is a valid head name: 1..kMaxHeadNameLength characters from [A-Za-z0-9._-].
 absl::Status ValidateHeadName(absl::string_view name);
 
-// "bf16", "fp16", "fp32".
+// "bf16", "fp16", "fp32": the names of --synthetic-head's dtype= and of logs and test names.
 absl::string_view FloatTypeName(kernels::FloatType type);
-// The float type a safetensors dtype stores, if it is one the heads accept (BF16, F16, F32).
-std::optional<kernels::FloatType> FloatTypeFromSafetensors(SafetensorsDType dtype);
-SafetensorsDType SafetensorsDTypeFromFloatType(kernels::FloatType type);
 
 struct SyntheticHeadSpec {
   std::string name;

@@ -52,6 +52,7 @@ struct Flags {
   int queue_size = 256;
   int max_top_k = 64;
   int64_t max_tokens_per_request = 65536;
+  int max_target_ids_per_row = 1024;
   int64_t max_receive_message_bytes = kDefaultMaxReceiveBytes;
   double drain_seconds = 10.0;
   std::string log_level = "info";
@@ -92,8 +93,13 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
   app.add_option("--max-tokens-per-request", f.max_tokens_per_request,
-                 "Largest N (token rows) of one request; more is RESOURCE_EXHAUSTED")
+                 "Largest N (token rows) of one request, and largest number of sequence_lengths "
+                 "entries; more is RESOURCE_EXHAUSTED")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--max-target-ids-per-row", f.max_target_ids_per_row,
+                 "Largest K of [N, K] target_ids (ids scored per token); more is INVALID_ARGUMENT")
+      ->check(CLI::Range(1, 1 << 16))
       ->capture_default_str();
   app.add_option("--max-receive-message-bytes", f.max_receive_message_bytes,
                  "Largest request message in bytes; more is RESOURCE_EXHAUSTED")
@@ -236,6 +242,7 @@ int Run(int argc, char** argv) {
   ServiceOptions options;
   options.limits.max_top_k = flags.max_top_k;
   options.limits.max_tokens_per_request = flags.max_tokens_per_request;
+  options.limits.max_target_ids_per_row = flags.max_target_ids_per_row;
   options.max_receive_message_bytes = flags.max_receive_message_bytes;
   options.workers = flags.workers;
   options.queue_size = static_cast<size_t>(flags.queue_size);

@@ -1,6 +1,8 @@
 #include "server/service/sequence_sums.h"
 
 #include <algorithm>
+#include <cstddef>
+#include <limits>
 #include <vector>
 
 #include "google/protobuf/repeated_field.h"
@@ -15,8 +17,10 @@ void SumPerSequence(bool requested, const std::vector<float>& values, int64_t wi
                     absl::Span<const int64_t> lengths, const std::vector<bool>& counted,
                     google::protobuf::RepeatedField<float>* out) {
   if (!requested || width == 0) return;
-  out->Reserve(static_cast<int>(lengths.size() * width));
-  std::vector<double> acc(width);
+  // REQUIRES (validation): lengths.size() * width <= INT32_MAX, the capacity of a repeated field.
+  const size_t total = lengths.size() * static_cast<size_t>(width);
+  out->Reserve(static_cast<int>(std::min<size_t>(total, std::numeric_limits<int>::max())));
+  std::vector<double> acc(static_cast<size_t>(width));
   int64_t row = 0;
   for (const int64_t len : lengths) {
     std::fill(acc.begin(), acc.end(), 0.0);

@@ -18,7 +18,9 @@
 
 namespace logitserve {
 
-// REQUIRES: the lengths are >= 0 and sum to job.rows; `result` is the backend's result of `job`.
+// REQUIRES: the lengths are >= 0 and sum to job.rows; lengths.size() * job.ids_per_row fits a
+// repeated field (ValidateScoreRequest bounds both factors); `result` is the backend's result of
+// `job`.
 void ComputeSequenceSums(const ScoreJob& job, absl::Span<const int64_t> lengths,
                          const ScoreResult& result, v1::SequenceSums* out);
 

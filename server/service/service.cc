@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/wire/dtype.h"
 #include "server/service/sequence_sums.h"
 #include "server/service/status.h"
 #include "spdlog/spdlog.h"
@@ -18,18 +19,6 @@ using Clock = std::chrono::steady_clock;
 
 int64_t MicrosSince(Clock::time_point start, Clock::time_point end) {
   return std::chrono::duration_cast<std::chrono::microseconds>(end - start).count();
-}
-
-v1::DType ToProtoDType(kernels::FloatType t) {
-  switch (t) {
-    case kernels::FloatType::kBFloat16:
-      return v1::BFLOAT16;
-    case kernels::FloatType::kFloat16:
-      return v1::FLOAT16;
-    case kernels::FloatType::kFloat32:
-    default:
-      return v1::FLOAT32;
-  }
 }
 
 // A backend result must have exactly the requested outputs' sizes; anything else is a backend bug
@@ -126,7 +115,9 @@ void ScorerService::Compute(Call& call) {
   }
   const ScoreJob& job = call.validated.job;
   ScoreResult result;
-  absl::Status status = backend_->Score(job, &result);
+  // The scan of the hidden states reads every input byte, so it runs here, not in the handler.
+  absl::Status status = CheckHiddenStatesFinite(job);
+  if (status.ok()) status = backend_->Score(job, &result);
   if (status.ok()) status = CheckResultShape(job, result);
   const Clock::time_point end = Clock::now();
   if (!status.ok()) {
@@ -173,7 +164,7 @@ grpc::ServerUnaryReactor* ScorerService::ListHeads(grpc::CallbackServerContext* 
     info->set_name(w.name);
     info->set_vocab_size(w.vocab_size);
     info->set_hidden_size(w.hidden_size);
-    info->set_dtype(ToProtoDType(w.dtype));
+    info->set_dtype(wire::DTypeOf(w.dtype));
     info->set_version(w.version);
     for (const ShardRange& shard : backend_->ShardLayout(w.vocab_size)) {
       v1::ShardRange* s = info->add_shards();

@@ -1,11 +1,12 @@
 // ScorerService: the logitserve.v1.Scorer RPCs on gRPC's callback API.
 //
-// Score: the handler (on a gRPC thread) validates the request completely, then queues the
-// backend computation on the service's own bounded WorkerPool and returns the reactor; the worker
-// finishes the reactor. The request stays alive until Finish, so the job's views into its bytes
-// are valid for the whole computation (zero copy). A full queue answers RESOURCE_EXHAUSTED at
-// once; a call that is cancelled or past its deadline when its turn comes is never computed.
-// ListHeads answers inline (no compute).
+// Score: the handler (on a gRPC thread) validates the request's shapes, ids and options
+// (ValidateScoreRequest), then queues the computation on the service's own bounded WorkerPool and
+// returns the reactor; the worker scans the hidden states for NaN / +-inf
+// (CheckHiddenStatesFinite), runs the backend and finishes the reactor. The request stays alive
+// until Finish, so the job's views into its bytes are valid for the whole computation (zero copy).
+// A full queue answers RESOURCE_EXHAUSTED at once; a call that is cancelled or past its deadline
+// when its turn comes is never computed. ListHeads answers inline (no compute).
 //
 // Thread safety: the RPC methods are called concurrently by gRPC. StartDraining and StopWorkers
 // are for the shutdown sequence: StartDraining (new Score calls get UNAVAILABLE), then

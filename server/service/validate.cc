@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/wire/dtype.h"
 
 namespace logitserve {
 
@@ -21,26 +22,6 @@ constexpr int32_t kDefaultIgnoreIndex = -100;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
 
-std::string DTypeName(int dtype) {
-  if (v1::DType_IsValid(dtype)) return v1::DType_Name(static_cast<v1::DType>(dtype));
-  return absl::StrCat("unknown dtype ", dtype);
-}
-
-int64_t ItemSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::FLOAT32:
-    case v1::INT32:
-      return 4;
-    case v1::BFLOAT16:
-    case v1::FLOAT16:
-      return 2;
-    case v1::INT64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 std::string ShapeString(const v1::Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
 }
@@ -51,12 +32,11 @@ enum class ElementKind { kFloat, kIndex };
 absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
                                                  ElementKind kind, int min_rank, int max_rank,
                                                  absl::string_view layout) {
-  const bool float_dtype =
-      t.dtype() == v1::FLOAT32 || t.dtype() == v1::BFLOAT16 || t.dtype() == v1::FLOAT16;
-  const bool index_dtype = t.dtype() == v1::INT32 || t.dtype() == v1::INT64;
-  if (kind == ElementKind::kFloat ? !float_dtype : !index_dtype) {
+  const bool supported = kind == ElementKind::kFloat ? wire::FloatTypeOf(t.dtype()).has_value()
+                                                     : wire::IsIndexDType(t.dtype());
+  if (!supported) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": dtype ", DTypeName(t.dtype()), " is not supported (expected ",
+        field, ": dtype ", wire::DTypeName(t.dtype()), " is not supported (expected ",
         kind == ElementKind::kFloat ? "FLOAT32, BFLOAT16 or FLOAT16" : "INT32 or INT64", ")"));
   }
   const int rank = t.shape_size();
@@ -77,31 +57,21 @@ absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::stri
     }
   }
   int64_t bytes = 0;
-  if (__builtin_mul_overflow(elements, ItemSize(t.dtype()), &bytes)) {
+  if (__builtin_mul_overflow(elements, wire::DTypeSize(t.dtype()), &bytes)) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": shape ", ShapeString(t), " has too many bytes"));
   }
   if (static_cast<uint64_t>(bytes) != t.data().size()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", t.data().size(),
                                                    " bytes, but shape ", ShapeString(t), " of ",
-                                                   DTypeName(t.dtype()), " needs ", bytes));
+                                                   wire::DTypeName(t.dtype()), " needs ", bytes));
   }
   return std::vector<int64_t>(t.shape().begin(), t.shape().end());
 }
 
-kernels::FloatType ToFloatType(v1::DType dtype) {
-  switch (dtype) {
-    case v1::BFLOAT16:
-      return kernels::FloatType::kBFloat16;
-    case v1::FLOAT16:
-      return kernels::FloatType::kFloat16;
-    default:
-      return kernels::FloatType::kFloat32;
-  }
-}
-
+// REQUIRES: CheckTensor accepted `t` as a float tensor of rank 2 (`dims`).
 MatrixView ViewOf(const v1::Tensor& t, const std::vector<int64_t>& dims) {
-  return MatrixView{ToFloatType(t.dtype()), dims[0], dims[1], t.data().data()};
+  return MatrixView{*wire::FloatTypeOf(t.dtype()), dims[0], dims[1], t.data().data()};
 }
 
 // Returns the index of the first NaN / +-inf among n elements, or -1. The exponent field is all
@@ -273,7 +243,7 @@ absl::Status CheckTemperature(bool has, float t, absl::string_view field) {
 }
 
 absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
-                              int32_t ignore_index, ScoreJob* job) {
+                              int32_t ignore_index, int32_t max_ids_per_row, ScoreJob* job) {
   absl::StatusOr<std::vector<int64_t>> dims =
       CheckTensor(t, "target_ids", ElementKind::kIndex, 1, 2, "1 ([N]) or 2 ([N, K])");
   if (!dims.ok()) return dims.status();
@@ -281,9 +251,13 @@ absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
     return absl::InvalidArgumentError(absl::StrCat(
         "target_ids: ", (*dims)[0], " rows != N = ", rows, " rows of the model input"));
   }
+  // K is bounded before anything is sized by it: with N = 0 an [0, K] tensor has no bytes at
+  // all, whatever K is, yet the per-sequence sums and the backends' per-tile buffers scale with K.
   const int64_t k = dims->size() == 2 ? (*dims)[1] : 1;
-  if (k > kInt32Max) {
-    return absl::InvalidArgumentError(absl::StrCat("target_ids: ", k, " ids per row is too many"));
+  if (k > max_ids_per_row) {
+    return absl::InvalidArgumentError(absl::StrCat("target_ids: ", k, " ids per row (shape ",
+                                                   ShapeString(t), ") exceed the server limit of ",
+                                                   max_ids_per_row, " (--max-target-ids-per-row)"));
   }
   const int64_t n = rows * k;  // == product(shape), checked by CheckTensor
   job->ids_per_row = static_cast<int32_t>(k);
@@ -409,8 +383,8 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
   // Target ids.
   job.ignore_index = request.has_ignore_index() ? request.ignore_index() : kDefaultIgnoreIndex;
   if (request.has_target_ids()) {
-    if (absl::Status s =
-            ConvertTargetIds(request.target_ids(), job.rows, job.vocab, job.ignore_index, &job);
+    if (absl::Status s = ConvertTargetIds(request.target_ids(), job.rows, job.vocab,
+                                          job.ignore_index, limits.max_target_ids_per_row, &job);
         !s.ok()) {
       return s;
     }
@@ -418,6 +392,14 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
 
   // Sequence lengths.
   if (request.sequence_lengths_size() > 0) {
+    // Zero-length sequences are allowed, so their count is not bounded by N; it is bounded by
+    // the same limit as N (the response holds [S] and [S, K] sums).
+    if (request.sequence_lengths_size() > limits.max_tokens_per_request) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("sequence_lengths: ", request.sequence_lengths_size(),
+                       " sequences exceed the server limit of ", limits.max_tokens_per_request,
+                       " (--max-tokens-per-request)"));
+    }
     int64_t sum = 0;
     for (int i = 0; i < request.sequence_lengths_size(); ++i) {
       const int64_t len = request.sequence_lengths(i);
@@ -436,16 +418,28 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
     v.sequence_lengths.assign(request.sequence_lengths().begin(), request.sequence_lengths().end());
   }
 
-  // Last, the one check that reads every input byte: hidden states must be finite.
-  if (job.model.hidden_mode()) {
-    if (absl::Status s = CheckHiddenFinite(job.model.hidden, job.model.field); !s.ok()) return s;
-  }
-  if (job.reference.hidden_mode()) {
-    if (absl::Status s = CheckHiddenFinite(job.reference.hidden, job.reference.field); !s.ok()) {
-      return s;
+  // Every output is one protobuf repeated field, which holds at most INT32_MAX values. With the
+  // default limits the largest is 65536 x 1024; only raised limits can reach this.
+  const int64_t sequences = request.sequence_lengths_size();
+  for (const auto& [field, count] :
+       {std::pair<const char*, int64_t>{"target_ids", job.rows * job.ids_per_row},
+        {"top_k", job.rows * job.top_k},
+        {"sequence_lengths", sequences * job.ids_per_row}}) {
+    if (count > kInt32Max) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          field, ": the response would hold ", count,
+          " values in one array, more than a protobuf repeated field can (", kInt32Max, ")"));
     }
   }
   return v;
+}
+
+absl::Status CheckHiddenStatesFinite(const ScoreJob& job) {
+  for (const DistributionInput* in : {&job.model, &job.reference}) {
+    if (!in->hidden_mode()) continue;
+    if (absl::Status s = CheckHiddenFinite(in->hidden, in->field); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace logitserve

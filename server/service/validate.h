@@ -5,9 +5,11 @@
 // FAILED_PRECONDITION for a head-version pin that does not match, RESOURCE_EXHAUSTED for a
 // request over the server's size limits. Every message starts with the request field it is about.
 //
-// What the backend alone checks: NaN / +inf in input logits (and in logits computed from hidden
-// states) is found during the backend's single pass; Backend::Score reports it as
-// INVALID_ARGUMENT naming the field and row. NaN / +-inf in hidden states is found here.
+// Two value checks are not done here, so that the handler (on a gRPC thread) never reads the
+// bulk of a request: NaN / +-inf in hidden states is found by CheckHiddenStatesFinite, which the
+// service's worker runs before the backend; NaN / +inf in input logits (and in logits computed
+// from hidden states) is found during the backend's single pass. Both are INVALID_ARGUMENT naming
+// the field and the first bad row.
 //
 // Zero copy: the MatrixViews of the returned job point into `request`'s bytes, so the request
 // must outlive the job. A reference input that no requested output needs is ignored (allowed,
@@ -32,7 +34,9 @@ namespace logitserve {
 // Server limits a request is checked against (from the command line).
 struct RequestLimits {
   int32_t max_top_k = 64;                  // --max-top-k (<= 1024)
-  int64_t max_tokens_per_request = 65536;  // --max-tokens-per-request (N)
+  int64_t max_tokens_per_request = 65536;  // --max-tokens-per-request (N; also caps the number
+                                           // of sequence_lengths entries)
+  int32_t max_target_ids_per_row = 1024;   // --max-target-ids-per-row (K of [N, K] target_ids)
 };
 
 // Looks a head up by name: the head currently served under it, or nullptr when there is none.
@@ -51,5 +55,12 @@ struct ValidatedRequest {
 absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
                                                       HeadResolver heads,
                                                       const RequestLimits& limits);
+
+// OK when every hidden state of the job (model and reference, hidden mode only) is finite;
+// otherwise INVALID_ARGUMENT naming the field ("hidden" / "reference_hidden"), the first bad row,
+// its column and the value (NaN, +inf, -inf): a non-finite hidden state would poison every logit
+// of its row. Reads every hidden byte once (vectorised), so the service runs it on its worker,
+// not on the gRPC thread. REQUIRES: `job` came from ValidateScoreRequest (its views are valid).
+absl::Status CheckHiddenStatesFinite(const ScoreJob& job);
 
 }  // namespace logitserve

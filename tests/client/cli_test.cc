@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -16,7 +17,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tests/client/fp64_expect.h"
+#include "server/heads/head_loader.h"
+#include "tests/client/output_expect.h"
 #include "tests/support/server_process.h"
 
 #ifndef LOGITSERVE_CLI_BINARY
@@ -27,12 +29,9 @@ namespace logitserve::client {
 namespace {
 
 using ::logitserve::testing::ServerProcess;
-using testing::ExpectMatchesFp64;
-using testing::Fp64Options;
+using testing::ExpectMatchesReference;
 using ::testing::HasSubstr;
-using testing::LogitRange;
 using ::testing::Not;
-using testing::Rows;
 
 struct CommandResult {
   int exit_code = -1;
@@ -103,19 +102,54 @@ std::vector<float> JsonFloats(const nlohmann::json& j, const char* key) {
   return out;
 }
 
-// Tensor `name` of a safetensors file as doubles (F32 only) or int64 (I32 only).
-std::vector<double> FileFloats(const SafetensorsFile& f, const char* name) {
-  const SafetensorsTensor* t = f.Find(name);
-  std::vector<float> v(t->num_elements());
-  std::memcpy(v.data(), t->data, t->bytes);
-  return std::vector<double>(v.begin(), v.end());
+// Tensor `name` of a safetensors file as a wire tensor of `dtype` (the file's bytes as they are).
+v1::Tensor FileTensor(const SafetensorsFile& f, const char* name, v1::DType dtype) {
+  v1::Tensor t;
+  const SafetensorsTensor* st = f.Find(name);
+  EXPECT_NE(st, nullptr) << name;
+  if (st == nullptr) return t;
+  t.set_dtype(dtype);
+  for (int64_t d : st->shape) t.add_shape(d);
+  t.mutable_data()->assign(reinterpret_cast<const char*>(st->data), st->bytes);
+  return t;
 }
 
+// The target ids of a file (I32) as int64.
 std::vector<int64_t> FileIds(const SafetensorsFile& f) {
   const SafetensorsTensor* t = f.Find("target_ids");
   std::vector<int32_t> v(t->num_elements());
   std::memcpy(v.data(), t->data, t->bytes);
   return std::vector<int64_t>(v.begin(), v.end());
+}
+
+// `score --json`'s output as the client library's ScoreOutput (every array, sequence sums too).
+ScoreOutput OutputOfJson(const nlohmann::json& j) {
+  ScoreOutput out;
+  out.rows = j["rows"];
+  out.target_ids_per_row = j["target_ids_per_row"];
+  out.top_k = j["top_k"];
+  out.target_logprobs = JsonFloats(j, "target_logprobs");
+  out.top_k_logprobs = JsonFloats(j, "top_k_logprobs");
+  if (j.contains("top_k_ids")) {
+    for (const nlohmann::json& id : j["top_k_ids"]) out.top_k_ids.push_back(id);
+  }
+  out.entropy = JsonFloats(j, "entropy");
+  out.reference_entropy = JsonFloats(j, "reference_entropy");
+  out.forward_kl = JsonFloats(j, "forward_kl");
+  out.reverse_kl = JsonFloats(j, "reverse_kl");
+  out.jsd = JsonFloats(j, "jsd");
+  if (j.contains("sequence_sums")) {
+    const nlohmann::json& js = j["sequence_sums"];
+    SequenceSumsOutput& sums = out.sequence_sums.emplace();
+    sums.target_logprobs = JsonFloats(js, "target_logprobs");
+    sums.entropy = JsonFloats(js, "entropy");
+    sums.reference_entropy = JsonFloats(js, "reference_entropy");
+    sums.forward_kl = JsonFloats(js, "forward_kl");
+    sums.reverse_kl = JsonFloats(js, "reverse_kl");
+    sums.jsd = JsonFloats(js, "jsd");
+    for (const nlohmann::json& c : js["token_count"]) sums.token_count.push_back(c);
+  }
+  return out;
 }
 
 constexpr int64_t kVocab = 500, kHidden = 32;
@@ -200,45 +234,70 @@ TEST_F(CliTest, ScoreJsonMatchesFp64) {
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["units"], "nats");
   EXPECT_EQ(j["rows"], kRows);
-
-  ScoreOutput out;
-  out.rows = j["rows"];
-  out.target_ids_per_row = j["target_ids_per_row"];
-  out.top_k = j["top_k"];
-  out.target_logprobs = JsonFloats(j, "target_logprobs");
-  out.top_k_logprobs = JsonFloats(j, "top_k_logprobs");
-  for (const nlohmann::json& id : j["top_k_ids"]) out.top_k_ids.push_back(id);
-  out.entropy = JsonFloats(j, "entropy");
-  out.reference_entropy = JsonFloats(j, "reference_entropy");
-  out.forward_kl = JsonFloats(j, "forward_kl");
-  out.reverse_kl = JsonFloats(j, "reverse_kl");
-  out.jsd = JsonFloats(j, "jsd");
   ASSERT_TRUE(j.contains("sequence_sums"));
-  SequenceSumsOutput sums;
-  sums.entropy = JsonFloats(j["sequence_sums"], "entropy");
-  sums.forward_kl = JsonFloats(j["sequence_sums"], "forward_kl");
-  for (const nlohmann::json& c : j["sequence_sums"]["token_count"]) sums.token_count.push_back(c);
-  out.sequence_sums = sums;
+  const ScoreOutput out = OutputOfJson(j);
 
+  // The request the command line describes, built from the file's tensors as written.
   auto file = SafetensorsFile::Open(input);
   ASSERT_TRUE(file.ok()) << file.status();
-  const std::vector<double> z = FileFloats(*file, "logits");
-  const std::vector<double> zr = FileFloats(*file, "reference_logits");
-  Rows model(kRows), ref(kRows);
-  for (int64_t i = 0; i < kRows; ++i) {
-    for (int64_t v = 0; v < kV; ++v) {
-      model[i].push_back(z[i * kV + v] / 2.0);
-      ref[i].push_back(zr[i * kV + v]);
-    }
+  v1::ScoreRequest request;
+  *request.mutable_logits() = FileTensor(*file, "logits", v1::FLOAT32);
+  *request.mutable_reference_logits() = FileTensor(*file, "reference_logits", v1::FLOAT32);
+  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::INT32);
+  request.set_temperature(2.0f);
+  request.set_top_k(3);
+  request.set_entropy(true);
+  request.set_reference_entropy(true);
+  request.set_forward_kl(true);
+  request.set_reverse_kl(true);
+  request.set_jsd_beta(0.25f);
+  request.add_sequence_lengths(2);
+  request.add_sequence_lengths(4);
+  ExpectMatchesReference(request, out);
+  std::remove(input.c_str());
+}
+
+// make-input --dtype f16 writes F16 tensors that the server scores in hidden mode, K = 2 ids.
+TEST_F(CliTest, ScoreJsonOfFloat16HiddenInputMatchesFp64) {
+  constexpr int64_t kRows = 5;
+  const std::string input = TempPath("hidden_f16.safetensors");
+  CommandResult r =
+      RunCli({"make-input", "--output", input, "--rows", std::to_string(kRows), "--hidden-size",
+              std::to_string(kHidden), "--vocab", std::to_string(kVocab), "--reference", "--dtype",
+              "f16", "--targets-per-row", "2", "--seed", "7"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto file = SafetensorsFile::Open(input);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_EQ(file->Find("hidden")->dtype, SafetensorsDType::kFloat16);
+  ASSERT_EQ(file->Find("reference_hidden")->dtype, SafetensorsDType::kFloat16);
+
+  r = RunCli({"score", "--target", Target(), "--head", "policy", "--reference-head", "reference",
+              "--input", input, "--entropy", "--reverse-kl", "--jsd-beta", "0.5", "--top-k", "4",
+              "--sequence-lengths", "3,2", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const ScoreOutput out = OutputOfJson(nlohmann::json::parse(r.out));
+
+  v1::ScoreRequest request;
+  request.set_head("policy");
+  request.set_reference_head("reference");
+  *request.mutable_hidden() = FileTensor(*file, "hidden", v1::FLOAT16);
+  *request.mutable_reference_hidden() = FileTensor(*file, "reference_hidden", v1::FLOAT16);
+  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::INT32);
+  request.set_top_k(4);
+  request.set_entropy(true);
+  request.set_reverse_kl(true);
+  request.set_jsd_beta(0.5f);
+  request.add_sequence_lengths(3);
+  request.add_sequence_lengths(2);
+  // The server's synthetic heads, rebuilt bit for bit (MakeSyntheticHead is deterministic).
+  e2e::HeadMap heads;
+  for (const auto& [name, seed] :
+       {std::pair<std::string, uint64_t>{"policy", 1}, {"reference", 2}}) {
+    absl::StatusOr<std::shared_ptr<HeadWeights>> w = MakeSyntheticHead(name, kVocab, kHidden, seed);
+    ASSERT_TRUE(w.ok()) << w.status();
+    heads[name] = std::make_shared<PreparedHead>(*std::move(w));
   }
-  Fp64Options o;
-  o.target_ids = FileIds(*file);
-  o.ids_per_row = 1;
-  o.top_k = 3;
-  o.entropy = o.reference_entropy = o.forward_kl = o.reverse_kl = true;
-  o.jsd_beta = 0.25;
-  o.sequence_lengths = {2, 4};
-  ExpectMatchesFp64(out, model, &ref, o, std::max(LogitRange(model), LogitRange(ref)));
+  ExpectMatchesReference(request, out, heads);
   std::remove(input.c_str());
 }
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -25,7 +26,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "logitserve/kernels/dtype.h"
-#include "tests/client/fp64_expect.h"
+#include "server/heads/head_weights.h"
+#include "tests/client/output_expect.h"
 #include "tests/support/server_process.h"
 
 extern char** environ;
@@ -35,21 +37,18 @@ namespace {
 
 using ::logitserve::testing::ServerProcess;
 using testing::Bits;
-using testing::ExpectMatchesFp64;
-using testing::Fp64Options;
+using testing::ExpectMatchesReference;
 using ::testing::HasSubstr;
-using testing::LogitRange;
-using testing::Rows;
 
 // Head file for hidden mode. The weights are multiples of 1/64 in [-1/4, 1/4] and the hidden
 // states integers in [-2, 2], so every partial sum of a dot product over kHidden = 48 terms is a
 // multiple of 1/64 below 2^5: exact in fp32 whatever the summation order or GEMM kernel, and both
-// exact in bf16. The logits the server computes therefore equal the fp64 ones exactly, and the
-// fp64 comparison needs only the softmax tolerance (Fp32Tol).
+// exact in bf16. The logits the server computes therefore equal the fp64 ones exactly; many are
+// exactly equal to each other, so top-k's tie rule (smaller id first) is exercised too.
 constexpr int64_t kVocab = 2500;  // more than one 2048-id vocabulary block
 constexpr int64_t kHidden = 48;
 
-std::vector<uint16_t> HeadWeights(uint64_t seed) {
+std::vector<uint16_t> HeadWeightBits(uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<uint16_t> w(kVocab * kHidden);
   for (uint16_t& b : w) {
@@ -64,7 +63,7 @@ std::string TempPath(const std::string& name) {
 }
 
 absl::Status WriteHeadFile(const std::string& path) {
-  const std::vector<uint16_t> policy = HeadWeights(11), reference = HeadWeights(12);
+  const std::vector<uint16_t> policy = HeadWeightBits(11), reference = HeadWeightBits(12);
   auto bytes = [](const std::vector<uint16_t>& v) {
     return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);
   };
@@ -74,22 +73,24 @@ absl::Status WriteHeadFile(const std::string& path) {
   return WriteSafetensors(path, tensors);
 }
 
-// z = h W^T / temperature in double, for bf16 hidden bits and the head of `seed`.
-Rows HiddenLogits(const std::vector<float>& hidden, int64_t rows, uint64_t seed,
-                  double temperature) {
-  const std::vector<uint16_t> w = HeadWeights(seed);
-  Rows z(rows, std::vector<double>(kVocab));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < kVocab; ++j) {
-      double dot = 0.0;
-      for (int64_t i = 0; i < kHidden; ++i) {
-        dot += static_cast<double>(hidden[r * kHidden + i]) *
-               kernels::BFloat16ToFloat(w[j * kHidden + i]);
-      }
-      z[r][j] = dot / temperature;
-    }
-  }
-  return z;
+// The head the server loads from the file's tensor `name` (the weights of `seed`), as the fp64
+// reference reads it.
+std::shared_ptr<const PreparedHead> FileHead(const std::string& name, uint64_t seed) {
+  auto w = std::make_shared<::logitserve::HeadWeights>();
+  const std::vector<uint16_t> bits = HeadWeightBits(seed);
+  w->name = name;
+  w->vocab_size = kVocab;
+  w->hidden_size = kHidden;
+  w->dtype = kernels::FloatType::kBFloat16;
+  w->weight.resize(bits.size() * 2);
+  std::memcpy(w->weight.data(), bits.data(), w->weight.size());
+  return std::make_shared<PreparedHead>(std::move(w));
+}
+
+const e2e::HeadMap& FileHeads() {
+  static const auto* heads = new e2e::HeadMap{{"policy", FileHead("policy", 11)},
+                                              {"reference", FileHead("reference", 12)}};
+  return *heads;
 }
 
 // Normal(0, sd^2) fp32 logits [rows, vocab] from a fixed seed.
@@ -99,14 +100,6 @@ std::vector<float> RandomLogits(int64_t rows, int64_t vocab, double sd, uint64_t
   std::vector<float> v(rows * vocab);
   for (float& x : v) x = static_cast<float>(normal(rng));
   return v;
-}
-
-Rows ToRows(const std::vector<float>& v, int64_t rows, int64_t vocab, double temperature) {
-  Rows z(rows, std::vector<double>(vocab));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < vocab; ++j) z[r][j] = v[r * vocab + j] / temperature;
-  }
-  return z;
 }
 
 class ClientE2ETest : public ::testing::Test {
@@ -204,15 +197,7 @@ TEST_F(ClientE2ETest, HiddenModeMatchesFp64) {
   EXPECT_GE(out->head_version, 1u);
   EXPECT_GE(out->reference_head_version, 1u);
 
-  const Rows z = HiddenLogits(h, kRows, 11, 0.75);
-  const Rows z_ref = HiddenLogits(h_ref, kRows, 12, 1.0);
-  Fp64Options o;
-  o.target_ids.assign(ids.begin(), ids.end());
-  o.ids_per_row = 1;
-  o.top_k = 4;
-  o.entropy = o.reference_entropy = o.forward_kl = o.reverse_kl = true;
-  o.jsd_beta = 0.5;
-  ExpectMatchesFp64(*out, z, &z_ref, o, std::max(LogitRange(z), LogitRange(z_ref)));
+  ExpectMatchesReference(req, *out, FileHeads());
 }
 
 TEST_F(ClientE2ETest, LogitsModeWithMasksMatchesFp64) {
@@ -245,15 +230,7 @@ TEST_F(ClientE2ETest, LogitsModeWithMasksMatchesFp64) {
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->head_version, 0u);  // logits mode
 
-  const Rows z = ToRows(logits, kRows, kV, 1.5f), z_ref = ToRows(ref, kRows, kV, 0.8f);
-  Fp64Options o;
-  o.target_ids.assign(ids.begin(), ids.end());
-  o.ids_per_row = 2;
-  o.ignore_index = -7;
-  o.top_k = 5;
-  o.entropy = o.reference_entropy = o.forward_kl = o.reverse_kl = true;
-  o.jsd_beta = static_cast<double>(0.3f);
-  ExpectMatchesFp64(*out, z, &z_ref, o, std::max(LogitRange(z), LogitRange(z_ref)));
+  ExpectMatchesReference(req, *out);
   EXPECT_TRUE(std::isinf(out->reverse_kl[4]));  // KL(model || ref) with a ref-masked token
   EXPECT_TRUE(std::isfinite(out->jsd[4]));
 }
@@ -356,10 +333,14 @@ class ClientSplitTest : public ::testing::Test {
     append(acc.jsd, out->jsd);
     if (out->sequence_sums.has_value()) {
       if (!acc.sequence_sums.has_value()) acc.sequence_sums.emplace();
-      append(acc.sequence_sums->entropy, out->sequence_sums->entropy);
-      append(acc.sequence_sums->forward_kl, out->sequence_sums->forward_kl);
-      append(acc.sequence_sums->target_logprobs, out->sequence_sums->target_logprobs);
-      append(acc.sequence_sums->token_count, out->sequence_sums->token_count);
+      SequenceSumsOutput& sums = *acc.sequence_sums;
+      append(sums.target_logprobs, out->sequence_sums->target_logprobs);
+      append(sums.entropy, out->sequence_sums->entropy);
+      append(sums.reference_entropy, out->sequence_sums->reference_entropy);
+      append(sums.forward_kl, out->sequence_sums->forward_kl);
+      append(sums.reverse_kl, out->sequence_sums->reverse_kl);
+      append(sums.jsd, out->sequence_sums->jsd);
+      append(sums.token_count, out->sequence_sums->token_count);
     }
   }
 
@@ -371,16 +352,6 @@ class ClientSplitTest : public ::testing::Test {
     EXPECT_EQ(Bits(a.forward_kl), Bits(b.forward_kl));
     EXPECT_EQ(Bits(a.reverse_kl), Bits(b.reverse_kl));
     EXPECT_EQ(Bits(a.jsd), Bits(b.jsd));
-  }
-
-  Fp64Options Options() const {
-    Fp64Options o;
-    o.target_ids.assign(ids_.begin(), ids_.end());
-    o.ids_per_row = 1;
-    o.top_k = 3;
-    o.entropy = o.forward_kl = o.reverse_kl = true;
-    o.jsd_beta = 0.5;
-    return o;
   }
 
   static inline std::unique_ptr<ServerProcess> server_;
@@ -414,9 +385,7 @@ TEST_F(ClientSplitTest, SplitResultIsBitIdenticalToChunkByChunkAndMatchesFp64) {
   for (int64_t r = 0; r < kSplitRows; ++r) ScoreUnsplit(r, r + 1, {}, by_row);
   ExpectSameBits(*out, by_row);
 
-  const Rows z = ToRows(logits_, kSplitRows, kSplitVocab, 1.0);
-  const Rows z_ref = ToRows(ref_, kSplitRows, kSplitVocab, 1.0);
-  ExpectMatchesFp64(*out, z, &z_ref, Options(), std::max(LogitRange(z), LogitRange(z_ref)));
+  ExpectMatchesReference(Request(), *out);
 }
 
 TEST_F(ClientSplitTest, SplitsOnlyAtSequenceBoundaries) {
@@ -434,16 +403,17 @@ TEST_F(ClientSplitTest, SplitsOnlyAtSequenceBoundaries) {
   ScoreUnsplit(5, 9, {4}, by_chunk);
   ScoreUnsplit(9, 13, {4}, by_chunk);
   ExpectSameBits(*out, by_chunk);
-  EXPECT_EQ(Bits(out->sequence_sums->entropy), Bits(by_chunk.sequence_sums->entropy));
-  EXPECT_EQ(Bits(out->sequence_sums->forward_kl), Bits(by_chunk.sequence_sums->forward_kl));
-  EXPECT_EQ(Bits(out->sequence_sums->target_logprobs),
-            Bits(by_chunk.sequence_sums->target_logprobs));
+  const SequenceSumsOutput& split = *out->sequence_sums;
+  const SequenceSumsOutput& chunked = *by_chunk.sequence_sums;
+  EXPECT_EQ(Bits(split.target_logprobs), Bits(chunked.target_logprobs));
+  EXPECT_EQ(Bits(split.entropy), Bits(chunked.entropy));
+  EXPECT_EQ(Bits(split.reference_entropy), Bits(chunked.reference_entropy));
+  EXPECT_EQ(Bits(split.forward_kl), Bits(chunked.forward_kl));
+  EXPECT_EQ(Bits(split.reverse_kl), Bits(chunked.reverse_kl));
+  EXPECT_EQ(Bits(split.jsd), Bits(chunked.jsd));
+  EXPECT_EQ(split.token_count, chunked.token_count);
 
-  const Rows z = ToRows(logits_, kSplitRows, kSplitVocab, 1.0);
-  const Rows z_ref = ToRows(ref_, kSplitRows, kSplitVocab, 1.0);
-  Fp64Options o = Options();
-  o.sequence_lengths = lengths;
-  ExpectMatchesFp64(*out, z, &z_ref, o, std::max(LogitRange(z), LogitRange(z_ref)));
+  ExpectMatchesReference(req, *out);
 }
 
 TEST_F(ClientSplitTest, SequenceLongerThanTheLimitIsRejectedByTheClient) {

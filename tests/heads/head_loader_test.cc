@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/safetensors/float_type.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/heads/float16.h"
@@ -70,6 +71,9 @@ TEST(Float16Test, RoundsToNearestEven) {
   EXPECT_EQ(FloatToFloat16(std::ldexp(1.5f, -25)), 0x0001);
   EXPECT_EQ(FloatToFloat16(std::ldexp(3.0f, -25)), 0x0002);  // 1.5 ulp tie -> even 2
   EXPECT_EQ(FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -26)), 0x0400);  // to normal
+  // The tie between the largest subnormal (0x03ff, odd) and the smallest normal: up, to even.
+  EXPECT_EQ(FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25)), 0x0400);
+  EXPECT_EQ(FloatToFloat16(-std::ldexp(1.0f, -14)), 0x8400);  // smallest normal, negative
   EXPECT_EQ(FloatToFloat16(-0.0f), 0x8000);
   EXPECT_EQ(FloatToFloat16(1e-30f), 0x0000);
 }
@@ -385,12 +389,10 @@ TEST(HeadFlagTest, PreciseErrors) {
             absl::StatusCode::kNotFound);
 }
 
-TEST(HeadDTypeTest, Mapping) {
-  for (FloatType t : kAllFloatTypes) {
-    EXPECT_EQ(FloatTypeFromSafetensors(SafetensorsDTypeFromFloatType(t)), t);
-  }
-  EXPECT_EQ(FloatTypeFromSafetensors(SafetensorsDType::kFloat64), std::nullopt);
+TEST(HeadDTypeTest, Names) {
+  EXPECT_EQ(FloatTypeName(FloatType::kFloat32), "fp32");
   EXPECT_EQ(FloatTypeName(FloatType::kBFloat16), "bf16");
+  EXPECT_EQ(FloatTypeName(FloatType::kFloat16), "fp16");
 }
 
 }  // namespace

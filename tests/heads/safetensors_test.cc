@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/safetensors/float_type.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -114,6 +116,23 @@ TEST(SafetensorsTest, DTypeNamesRoundTrip) {
   EXPECT_EQ(SafetensorsDTypeFromName("bf16"), std::nullopt);  // names are case-sensitive
   EXPECT_EQ(SafetensorsDTypeSize(SafetensorsDType::kBFloat16), 2);
   EXPECT_EQ(SafetensorsDTypeSize(SafetensorsDType::kComplex64), 8);
+}
+
+// Only F32, BF16 and F16 hold the kernels' float types, each one of them.
+TEST(SafetensorsTest, FloatTypeMapping) {
+  for (SafetensorsDType dtype : kAllSafetensorsDTypes) {
+    const std::optional<kernels::FloatType> t = FloatTypeFromSafetensors(dtype);
+    const bool is_float = dtype == SafetensorsDType::kFloat32 ||
+                          dtype == SafetensorsDType::kBFloat16 ||
+                          dtype == SafetensorsDType::kFloat16;
+    EXPECT_EQ(t.has_value(), is_float) << SafetensorsDTypeName(dtype);
+    if (t.has_value()) {
+      EXPECT_EQ(SafetensorsDTypeFromFloatType(*t), dtype);
+    }
+  }
+  EXPECT_EQ(FloatTypeFromSafetensors(SafetensorsDType::kBFloat16), kernels::FloatType::kBFloat16);
+  EXPECT_EQ(SafetensorsDTypeFromFloatType(kernels::FloatType::kFloat16),
+            SafetensorsDType::kFloat16);
 }
 
 // The exact bytes the reference Python implementation writes for {"a": float32 [1, 2]}: its key

@@ -10,8 +10,8 @@
 //   then exercise empty shards only) runs the full product N in {0, 1, 7, 257} x K in {1, 3}.
 //   V = 4097 (three blocks, the last holding one token) is added for real cross-block and
 //   cross-shard combines, with N in {0, 1, 7, 70} (70 > one 64-row tile). V = 32000 runs N in
-//   {0, 7} only. Larger N at large V would cost the fp64 reference minutes and exercises no other
-//   path: the row tiling is already crossed at V <= 111 with N = 257.
+//   {0, 1, 7} only. Larger N at large V would cost the fp64 reference minutes and exercises no
+//   other path: the row tiling is already crossed at V <= 111 with N = 257.
 //   Ops: target logprobs [N] (K = 1) and [N, K] with ignore_index entries, top-k, entropy,
 //   reference entropy, forward KL, reverse KL, JSD at beta 0, 0.3 and 1, each as its own job,
 //   then everything in one job with temperatures != 1, then the divergences against a sharp
@@ -20,7 +20,11 @@
 //   logit_scale, logits_scaling, softcap + bias} with (weights, hidden) in (bf16, bf16) and
 //   (fp32, fp32), and the other four dtype pairs with the bias transform (the dtype only changes
 //   the exact upcast before the fp32 GEMM; the transform only what follows it). On every other
-//   shard configuration: softcap + bias with (bf16, bf16) and (fp32, fp16).
+//   shard configuration: softcap + bias with (bf16, bf16) and (fp32, fp16). Then the small
+//   vocabularies V in {1, 17, 111} (one partial block) with N in {0, 1, 7, 257} on every shard
+//   configuration, softcap + bias with (bf16, bf16), and on one shard also (fp32, fp32) without a
+//   transform: cheap, and 257 rows cross several GEMM row tiles.
+//   Shard configurations: CpuShardConfigs() plus trailing empty shards {1, 0} and {2, 1, 0}.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,7 +43,15 @@ namespace {
 
 constexpr double kLogitStd = 3.0;  // realistic spread of LM-head logits
 
-std::vector<BackendFactory> Backends() { return CpuShardConfigs(); }
+// Every configuration of CpuShardConfigs(), plus trailing empty shards: {1, 0} and {2, 1, 0}
+// (blocks per shard), where the last shard owns no vocabulary and the one before it ends on a
+// partial block whenever V % kVocabBlock != 0.
+std::vector<BackendFactory> Backends() {
+  std::vector<BackendFactory> backends = CpuShardConfigs();
+  backends.push_back(CpuFactory("cpu_empty_last_1_0", 2, {1, 0}, 2));
+  backends.push_back(CpuFactory("cpu_empty_last_2_1_0", 3, {2, 1, 0}, 2));
+  return backends;
+}
 
 void ScoreAndCompare(Backend& backend, const OwnedJob& j) {
   absl::StatusOr<ScoreResult> got = RunJob(backend, j.job);
@@ -66,7 +78,7 @@ std::vector<LogitsCase> LogitsCases() {
     for (FloatType t : {FloatType::kFloat32, FloatType::kBFloat16, FloatType::kFloat16}) {
       for (int64_t v : {1, 17, 111}) cases.push_back({b, t, v, {0, 1, 7, 257}});
       cases.push_back({b, t, 4097, {0, 1, 7, 70}});
-      cases.push_back({b, t, 32000, {0, 7}});
+      cases.push_back({b, t, 32000, {0, 1, 7}});
     }
   }
   return cases;
@@ -218,14 +230,17 @@ struct HiddenCase {
   HeadTransform transform;
   bool bias;
   double logit_std;  // target spread of the logits before softcap
+  int64_t vocab;
+  std::vector<int64_t> rows;
 };
 
 void PrintTo(const HiddenCase& c, std::ostream* os) {
   *os << c.backend.name << " W " << DTypeName(c.weight_dtype) << " h " << DTypeName(c.hidden_dtype)
-      << " " << c.transform_name;
+      << " " << c.transform_name << " V=" << c.vocab;
 }
 
 constexpr int64_t kHiddenVocab = 4097;  // three blocks, the last holding one token
+const std::vector<int64_t> kHiddenRows = {0, 1, 7, 70};  // 70 rows: more than one 64-row tile
 constexpr int64_t kHidden = 72;         // not a multiple of the SIMD width or GEMM tiles
 constexpr int64_t kRefHidden = 40;      // the reference head has its own hidden size
 
@@ -256,17 +271,42 @@ std::vector<HiddenCase> HiddenCases() {
                         (w == FloatType::kBFloat16 && h == FloatType::kBFloat16);
       for (const T& t : transforms) {
         if (same || t.name == "bias") {
-          cases.push_back({backends[0], w, h, t.name, t.t, t.bias, t.std});
+          cases.push_back(
+              {backends[0], w, h, t.name, t.t, t.bias, t.std, kHiddenVocab, kHiddenRows});
         }
       }
     }
   }
+  const T& softcap = transforms.back();
   for (size_t b = 1; b < backends.size(); ++b) {
-    const T& t = transforms.back();
-    cases.push_back(
-        {backends[b], FloatType::kBFloat16, FloatType::kBFloat16, t.name, t.t, t.bias, t.std});
-    cases.push_back(
-        {backends[b], FloatType::kFloat32, FloatType::kFloat16, t.name, t.t, t.bias, t.std});
+    for (FloatType h : {FloatType::kBFloat16, FloatType::kFloat16}) {
+      const FloatType w = h == FloatType::kBFloat16 ? FloatType::kBFloat16 : FloatType::kFloat32;
+      cases.push_back({backends[b], w, h, softcap.name, softcap.t, softcap.bias, softcap.std,
+                       kHiddenVocab, kHiddenRows});
+    }
+  }
+  for (int64_t v : {1, 17, 111}) {
+    for (const BackendFactory& b : backends) {
+      cases.push_back({b,
+                       FloatType::kBFloat16,
+                       FloatType::kBFloat16,
+                       softcap.name,
+                       softcap.t,
+                       softcap.bias,
+                       softcap.std,
+                       v,
+                       {0, 1, 7, 257}});
+    }
+    const T& none = transforms.front();
+    cases.push_back({backends[0],
+                     FloatType::kFloat32,
+                     FloatType::kFloat32,
+                     none.name,
+                     none.t,
+                     none.bias,
+                     none.std,
+                     v,
+                     {0, 1, 7, 257}});
   }
   return cases;
 }
@@ -294,14 +334,15 @@ TEST_P(HiddenConformance, EveryOutputMatchesReference) {
   // scale is undone so that the logits stay realistic.
   const double gain = static_cast<double>(c.transform.logit_scale) / c.transform.logits_scaling;
   const double w_std = c.logit_std / std::sqrt(static_cast<double>(kHidden)) / gain;
-  auto model =
-      Prepare(RandomHead(rng, kHiddenVocab, kHidden, c.weight_dtype, w_std, c.bias, c.transform));
-  auto ref = Prepare(RandomHead(rng, kHiddenVocab, kRefHidden, FloatType::kBFloat16,
+  const int64_t v = c.vocab;
+  const int32_t top_k = static_cast<int32_t>(std::min<int64_t>(5, v));
+  auto model = Prepare(RandomHead(rng, v, kHidden, c.weight_dtype, w_std, c.bias, c.transform));
+  auto ref = Prepare(RandomHead(rng, v, kRefHidden, FloatType::kBFloat16,
                                 kLogitStd / std::sqrt(static_cast<double>(kRefHidden)), false,
                                 HeadTransform{}));
   ASSERT_NE(model, nullptr);
   ASSERT_NE(ref, nullptr);
-  for (int64_t n : {0, 1, 7, 70}) {  // 70 rows: more than one 64-row GEMM tile
+  for (int64_t n : c.rows) {
     SCOPED_TRACE("N = " + std::to_string(n));
     const SharedMatrix h =
         Share(Encode(c.hidden_dtype, n, kHidden, RandomNormal(rng, n * kHidden, 1.0)));
@@ -311,25 +352,23 @@ TEST_P(HiddenConformance, EveryOutputMatchesReference) {
       SCOPED_TRACE("everything");
       OwnedJob j;
       j.SetModelHidden(model, h).SetReferenceHidden(ref, hr);
-      j.WithEverything(RandomTargets(rng, n, 3, kHiddenVocab, -100, 0.15), 3, 5, 0.3f);
+      j.WithEverything(RandomTargets(rng, n, 3, v, -100, 0.15), 3, top_k, 0.3f);
       ScoreAndCompare(*backend_, j);
     }
     {
       SCOPED_TRACE("targets + entropy + jsd(0), temperature 0.8 / 1.5");
       OwnedJob j;
       j.SetModelHidden(model, h, 0.8f).SetReferenceHidden(ref, hr, 1.5f);
-      j.WithTargets(RandomTargets(rng, n, 1, kHiddenVocab, -100, 0.15), 1)
-          .WithEntropy()
-          .WithJsd(0.0f);
+      j.WithTargets(RandomTargets(rng, n, 1, v, -100, 0.15), 1).WithEntropy().WithJsd(0.0f);
       ScoreAndCompare(*backend_, j);
     }
     {
       SCOPED_TRACE("hidden model, logits reference");
-      const SharedMatrix rl = Share(
-          Encode(FloatType::kFloat32, n, kHiddenVocab, RandomNormal(rng, n * kHiddenVocab, 3.0)));
+      const SharedMatrix rl =
+          Share(Encode(FloatType::kFloat32, n, v, RandomNormal(rng, n * v, 3.0)));
       OwnedJob j;
       j.SetModelHidden(model, h).SetReferenceLogits(rl);
-      j.WithReverseKl().WithForwardKl().WithTopK(2);
+      j.WithReverseKl().WithForwardKl().WithTopK(std::min(top_k, 2));
       ScoreAndCompare(*backend_, j);
     }
   }
@@ -339,7 +378,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, HiddenConformance, ::testing::ValuesIn(Hidden
                          [](const ::testing::TestParamInfo<HiddenCase>& info) {
                            const HiddenCase& c = info.param;
                            return c.backend.name + "_W" + DTypeName(c.weight_dtype) + "_h" +
-                                  DTypeName(c.hidden_dtype) + "_" + c.transform_name;
+                                  DTypeName(c.hidden_dtype) + "_" + c.transform_name + "_V" +
+                                  std::to_string(c.vocab);
                          });
 
 }  // namespace

@@ -1,6 +1,7 @@
 // SPEC §3's edge cases, one named test each, run against every backend configuration in
 // EdgeBackends() (parametrized so a CUDA backend can reuse them). Most rows use V = 5000 (three
 // vocabulary blocks) so that the edge values cross block and shard boundaries.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -476,6 +477,74 @@ TEST_P(EdgeCases, DuplicateIds) {
   EXPECT_TRUE(SameBits(got.target_logprobs[5], 0.0f));
 }
 
+// ignore_index may be an id inside [0, V): that id gives exactly +0.0 wherever it appears, and
+// every other id is scored as usual, bit for bit as with the default ignore_index.
+TEST_P(EdgeCases, IgnoreIndexInsideTheVocabulary) {
+  std::mt19937_64 rng(15);
+  const int64_t n = 3;
+  const SharedMatrix z = Fp32(n, kV, RandomNormal(rng, n * kV, 3.0));
+  constexpr int32_t kIgnored = 2048;  // the first id of the second block
+  const std::vector<int32_t> ids = {kIgnored, 1, 4999,     kIgnored, kIgnored,
+                                    kIgnored, 7, kIgnored, 3000};
+  OwnedJob j;
+  j.SetModelLogits(z).WithTargets(ids, 3, kIgnored).WithEntropy().WithTopK(3);
+  LOGITSERVE_ASSERT_SCORE(got, backend(), j.job);
+  ExpectMatchesReference(j.job, got);  // ignored ids: exactly +0.0
+  std::vector<int32_t> plain_ids = ids;
+  for (int32_t& id : plain_ids) id = id == kIgnored ? -100 : id;
+  OwnedJob plain;
+  plain.SetModelLogits(z).WithTargets(plain_ids, 3).WithEntropy().WithTopK(3);
+  LOGITSERVE_ASSERT_SCORE(want, backend(), plain.job);
+  ExpectBitwiseEqual(got, want);
+}
+
+// Top-k ties: exactly equal log-probabilities come in id order, smaller id first, whichever block
+// or shard holds them; masked tokens rank after every unmasked one, in id order too. The expected
+// ids follow from the rule alone (the harness checks the values and the reference's ids as well).
+TEST(EdgeCasesTopK, TiesGoToTheSmallerIdOnEveryShardLayout) {
+  const std::vector<BackendFactory> layouts = {CpuFactory("cpu_1shard", 1),
+                                               CpuFactory("cpu_3shards", 3),
+                                               CpuFactory("cpu_empty_1_0_2", 3, {1, 0, 2})};
+  // Rows over V = 5000 (three blocks): 0 constant; 1 zeros with five 2.0s spread over every
+  // block; 2 only three unmasked tokens (fewer than k), two of them tied.
+  std::vector<float> z(3 * kV, 0.0f);
+  for (int64_t j : {4999, 2048, 7, 3000, 4096}) z[kV + j] = 2.0f;
+  for (int64_t j = 0; j < kV; ++j) z[2 * kV + j] = -kInf;
+  z[2 * kV + 4500] = 1.0f;
+  z[2 * kV + 100] = 2.0f;
+  z[2 * kV + 2100] = 1.0f;
+  // The ids the rule gives for the first k positions of each row.
+  auto expected = [&](int64_t row, int32_t k) {
+    std::vector<int32_t> order(kV);
+    for (int32_t j = 0; j < kV; ++j) order[j] = j;
+    const float* r = &z[row * kV];
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return r[a] > r[b];  // -inf last; equal values keep id order
+    });
+    return std::vector<int32_t>(order.begin(), order.begin() + k);
+  };
+  ASSERT_EQ(expected(2, 5), (std::vector<int32_t>{100, 2100, 4500, 0, 1}));
+  for (const BackendFactory& f : layouts) {
+    SCOPED_TRACE(f.name);
+    absl::StatusOr<std::unique_ptr<Backend>> b = f.create();
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (FloatType t : kAllTypes) {  // 0, 1, 2 and -inf are exact in every type
+      for (int32_t k : {8, 300}) {
+        SCOPED_TRACE(DTypeName(t) + " k = " + std::to_string(k));
+        OwnedJob j;
+        j.SetModelLogits(Share(Encode(t, 3, kV, z))).WithTopK(k);
+        LOGITSERVE_ASSERT_SCORE(got, **b, j.job);
+        for (int64_t row = 0; row < 3; ++row) {
+          const std::vector<int32_t> ids(got.top_k_ids.begin() + row * k,
+                                         got.top_k_ids.begin() + (row + 1) * k);
+          EXPECT_EQ(ids, expected(row, k)) << "row " << row;
+        }
+        ExpectMatchesReference(j.job, got);
+      }
+    }
+  }
+}
+
 // Temperature: the outputs equal the reference on z / T. With T a power of two the division is
 // exact in fp32, so the outputs are bitwise those of the pre-divided logits at T = 1.
 TEST_P(EdgeCases, Temperature) {
@@ -554,6 +623,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, JsdEndpoints, ::testing::ValuesIn(EdgeBackend
 TEST(EdgeCasesCpu, UnevenAndEmptyShards) {
   std::vector<BackendFactory> configs = CpuShardConfigs();
   configs.push_back(CpuFactory("cpu_empty_first_0_1", 2, {0, 1}));
+  configs.push_back(CpuFactory("cpu_empty_last_1_0", 2, {1, 0}));
+  configs.push_back(CpuFactory("cpu_empty_last_2_1_0", 3, {2, 1, 0}));
   configs.push_back(CpuFactory("cpu_5shards", 5));  // more shards than blocks at V = 5000
   std::mt19937_64 rng(14);
   for (int64_t v : {kV, int64_t{32000}}) {

@@ -46,13 +46,16 @@ double LogV(int64_t vocab) { return std::log(static_cast<double>(std::max<int64_
 class Reporter {
  public:
   static constexpr int kMaxReports = 4;
+  // `unit` names what the row index counts in messages ("row", "sequence").
+  explicit Reporter(const char* unit = "row") : unit_(unit) {}
   bool Check(const std::string& output, ::testing::AssertionResult r, int64_t row, int64_t col,
              const std::string& extra = "") {
     if (r) return true;
     int& n = failures_[output];
     if (++n <= kMaxReports) {
-      ADD_FAILURE() << output << " row " << row << (col >= 0 ? " col " + std::to_string(col) : "")
-                    << ": " << r.message() << extra;
+      ADD_FAILURE() << output << " " << unit_ << " " << row
+                    << (col >= 0 ? " col " + std::to_string(col) : "") << ": " << r.message()
+                    << extra;
     }
     return false;
   }
@@ -66,6 +69,7 @@ class Reporter {
   }
 
  private:
+  const char* unit_;
   std::map<std::string, int> failures_;
 };
 
@@ -108,9 +112,10 @@ void ExpectSameBits(const std::string& output, const std::vector<T>& a, size_t a
   }
 }
 
-void CheckTopK(Reporter& rep, int64_t row, std::span<const double> lp, const RowScale& scale,
-               int64_t vocab, int32_t k, const int32_t* got_ids, const float* got_vals,
-               const int32_t* ref_ids) {
+// `z` and `lp`: the row's reference logits and log-probabilities.
+void CheckTopK(Reporter& rep, int64_t row, std::span<const double> z, std::span<const double> lp,
+               const RowScale& scale, int64_t vocab, int32_t k, const int32_t* got_ids,
+               const float* got_vals, const int32_t* ref_ids) {
   const std::string out = "top_k";
   std::set<int32_t> seen;
   for (int32_t i = 0; i < k; ++i) {
@@ -153,17 +158,24 @@ void CheckTopK(Reporter& rep, int64_t row, std::span<const double> lp, const Row
                     << got_ids[i] << ", " << Bits(cur) << ")",
                 row, i);
     }
-    // Position by position the same as the reference, except between near-ties whose order
-    // fp32 rounding may flip (a set that misses a clear top-k member fails here).
+    // Position by position the same as the reference (a set that misses a clear top-k member
+    // fails here), except between near-ties, whose order rounding may flip. A true tie is decided
+    // by the contract instead: the smaller id, i.e. the reference's. True ties are equal logits
+    // (equal in every arithmetic, so the fast path sees them equal too) and masked tokens (-inf
+    // log-probability), which rank after every unmasked one in id order. Equal fp64
+    // log-probabilities of different logits are not one: next to a +3e38 maximum, z - M rounds
+    // every ordinary logit to the same -3e38 in fp64 (and fp32), while the exact order is z's.
     if (got_ids[i] != ref_ids[i]) {
       const double x = lp[got_ids[i]];
       const double y = lp[ref_ids[i]];
-      const bool near_tie = std::isfinite(x) && std::isfinite(y) &&
+      const bool exact_tie = z[got_ids[i]] == z[ref_ids[i]] || (x == y && !std::isfinite(x));
+      const bool near_tie = !exact_tie && std::isfinite(x) && std::isfinite(y) &&
                             std::abs(x - y) <= tol(got_ids[i]) + tol(ref_ids[i]);
       rep.Check(out,
                 ::testing::AssertionResult(near_tie)
                     << "id " << got_ids[i] << " (ref lp " << x << ") where the reference has id "
-                    << ref_ids[i] << " (ref lp " << y << ")",
+                    << ref_ids[i] << " (ref lp " << y << ")"
+                    << (exact_tie ? ": an exact tie goes to the smaller id" : ""),
                 row, i);
     }
   }
@@ -246,6 +258,67 @@ double JsdTol(const RowScale& s, const RowScale& t, int64_t vocab, double beta, 
   return ::testing::AssertionFailure() << buf;
 }
 
+namespace {
+
+// One row's reference values and the tolerance of each of its per-token outputs.
+struct RowExpectation {
+  reference::ReferenceRow ref;
+  RowScale model;
+  RowScale reference;
+  std::vector<double> target_tol;  // [ids_per_row]
+  double entropy_tol = 0.0;
+  double reference_entropy_tol = 0.0;
+  double forward_kl_tol = 0.0;
+  double reverse_kl_tol = 0.0;
+  double jsd_tol = 0.0;
+};
+
+RowExpectation ExpectRow(const ScoreJob& job, int64_t row) {
+  const int64_t v = job.vocab;
+  RowExpectation e;
+  e.ref = reference::ScoreReferenceRow(job, row);
+  const reference::ReferenceRow& ref = e.ref;
+  e.model = ScaleOf(job.model, ref.logits, ref.dot_magnitude);
+  e.reference = job.NeedsReference() ? ScaleOf(job.reference, ref.ref_logits, ref.ref_dot_magnitude)
+                                     : RowScale{};
+  const RowScale& sm = e.model;
+  const RowScale& sr = e.reference;
+  for (double want : ref.target_logprobs) e.target_tol.push_back(LogprobTol(sm, v, want));
+  if (job.entropy) e.entropy_tol = EntropyTol(sm, v, ref.entropy);
+  if (job.reference_entropy) e.reference_entropy_tol = EntropyTol(sr, v, ref.reference_entropy);
+  // The KL tolerances need the entropy of the distribution that weights the sum.
+  const bool need_h_model = job.reverse_kl || (job.jsd_beta.has_value() && *job.jsd_beta == 1.0f);
+  const bool need_h_ref = job.forward_kl || (job.jsd_beta.has_value() && *job.jsd_beta == 0.0f);
+  const double h_model = need_h_model ? reference::Entropy(ref.logprobs) : 0.0;
+  const double h_ref = need_h_ref ? reference::Entropy(ref.ref_logprobs) : 0.0;
+  // forward = KL(reference || model), reverse = KL(model || reference).
+  if (job.forward_kl) e.forward_kl_tol = KlTol(sr, sm, v, h_ref, ref.forward_kl);
+  if (job.reverse_kl) e.reverse_kl_tol = KlTol(sm, sr, v, h_model, ref.reverse_kl);
+  if (job.jsd_beta.has_value()) {
+    const double beta = *job.jsd_beta;
+    if (beta == 0.0) {
+      e.jsd_tol = KlTol(sr, sm, v, h_ref, ref.jsd);
+    } else if (beta == 1.0) {
+      e.jsd_tol = KlTol(sm, sr, v, h_model, ref.jsd);
+    } else {
+      e.jsd_tol = JsdTol(sm, sr, v, beta, ref.jsd);
+    }
+  }
+  return e;
+}
+
+// Whether row `row` counts in its sequence's sums: unless the job has target ids and every id
+// of the row is ignore_index (a prompt or padding row).
+bool CountsInSums(const ScoreJob& job, int64_t row) {
+  if (job.ids_per_row == 0) return true;
+  for (int32_t k = 0; k < job.ids_per_row; ++k) {
+    if (job.target_ids[row * job.ids_per_row + k] != job.ignore_index) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got) {
   const size_t rows = static_cast<size_t>(job.rows);
   const auto expect_size = [](const char* name, size_t got_size, bool requested, size_t per_row) {
@@ -273,11 +346,8 @@ void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got) {
   std::vector<int32_t> ref_ids;
   for (size_t r = 0; r < rows; ++r) {
     const int64_t row = static_cast<int64_t>(r);
-    const reference::ReferenceRow ref = reference::ScoreReferenceRow(job, row);
-    const RowScale sm = ScaleOf(job.model, ref.logits, ref.dot_magnitude);
-    const RowScale sr = job.NeedsReference()
-                            ? ScaleOf(job.reference, ref.ref_logits, ref.ref_dot_magnitude)
-                            : RowScale{};
+    const RowExpectation e = ExpectRow(job, row);
+    const reference::ReferenceRow& ref = e.ref;
     for (int32_t k = 0; k < job.ids_per_row; ++k) {
       const size_t i = r * job.ids_per_row + k;
       const float g = got.target_logprobs[i];
@@ -287,60 +357,114 @@ void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got) {
                       << "ignored id: got " << Bits(g) << ", want exactly +0.0",
                   row, k);
       } else {
-        const double want = ref.target_logprobs[k];
         rep.Check("target_logprobs",
-                  NearRecorded("target_logprobs", g, want, LogprobTol(sm, v, want)), row, k,
-                  " (id " + std::to_string(job.target_ids[i]) + ")");
+                  NearRecorded("target_logprobs", g, ref.target_logprobs[k], e.target_tol[k]), row,
+                  k, " (id " + std::to_string(job.target_ids[i]) + ")");
       }
     }
     if (job.top_k > 0) {
       const size_t i = r * job.top_k;
       ref_ids.clear();
       for (const reference::TopKItem& t : ref.top_k) ref_ids.push_back(t.id);
-      CheckTopK(rep, row, ref.logprobs, sm, v, job.top_k, &got.top_k_ids[i], &got.top_k_logprobs[i],
-                ref_ids.data());
+      CheckTopK(rep, row, ref.logits, ref.logprobs, e.model, v, job.top_k, &got.top_k_ids[i],
+                &got.top_k_logprobs[i], ref_ids.data());
     }
-    if (job.entropy) {
-      rep.Check(
-          "entropy",
-          NearRecorded("entropy", got.entropy[r], ref.entropy, EntropyTol(sm, v, ref.entropy)), row,
-          -1);
-    }
-    if (job.reference_entropy) {
-      rep.Check("reference_entropy",
-                NearRecorded("reference_entropy", got.reference_entropy[r], ref.reference_entropy,
-                             EntropyTol(sr, v, ref.reference_entropy)),
-                row, -1);
-    }
-    // The KL tolerances need the entropy of the distribution that weights the sum.
-    const bool need_h_model = job.reverse_kl || (job.jsd_beta.has_value() && *job.jsd_beta == 1.0f);
-    const bool need_h_ref = job.forward_kl || (job.jsd_beta.has_value() && *job.jsd_beta == 0.0f);
-    const double h_model = need_h_model ? reference::Entropy(ref.logprobs) : 0.0;
-    const double h_ref = need_h_ref ? reference::Entropy(ref.ref_logprobs) : 0.0;
-    if (job.forward_kl) {  // KL(reference || model)
-      rep.Check("forward_kl",
-                NearRecorded("forward_kl", got.forward_kl[r], ref.forward_kl,
-                             KlTol(sr, sm, v, h_ref, ref.forward_kl)),
-                row, -1);
-    }
-    if (job.reverse_kl) {  // KL(model || reference)
-      rep.Check("reverse_kl",
-                NearRecorded("reverse_kl", got.reverse_kl[r], ref.reverse_kl,
-                             KlTol(sm, sr, v, h_model, ref.reverse_kl)),
-                row, -1);
-    }
-    if (job.jsd_beta.has_value()) {
-      const double beta = *job.jsd_beta;
-      double tol;
-      if (beta == 0.0) {
-        tol = KlTol(sr, sm, v, h_ref, ref.jsd);
-      } else if (beta == 1.0) {
-        tol = KlTol(sm, sr, v, h_model, ref.jsd);
-      } else {
-        tol = JsdTol(sm, sr, v, beta, ref.jsd);
+    const auto per_row = [&](bool requested, const char* name, const std::vector<float>& values,
+                             double want, double tol) {
+      if (requested) rep.Check(name, NearRecorded(name, values[r], want, tol), row, -1);
+    };
+    per_row(job.entropy, "entropy", got.entropy, ref.entropy, e.entropy_tol);
+    per_row(job.reference_entropy, "reference_entropy", got.reference_entropy,
+            ref.reference_entropy, e.reference_entropy_tol);
+    per_row(job.forward_kl, "forward_kl", got.forward_kl, ref.forward_kl, e.forward_kl_tol);
+    per_row(job.reverse_kl, "reverse_kl", got.reverse_kl, ref.reverse_kl, e.reverse_kl_tol);
+    per_row(job.jsd_beta.has_value(), "jsd", got.jsd, ref.jsd, e.jsd_tol);
+  }
+}
+
+void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64_t> lengths,
+                                      const ScoreResult& got,
+                                      std::span<const int64_t> token_count) {
+  const size_t s_count = lengths.size();
+  const size_t k = static_cast<size_t>(std::max(job.ids_per_row, 0));
+  const auto expect_size = [&](const char* name, size_t got_size, bool requested, size_t width) {
+    const size_t want = requested ? s_count * width : 0;
+    EXPECT_EQ(got_size, want) << "sequence sums of " << name << " have the wrong size";
+    return got_size == want;
+  };
+  bool sizes_ok = true;
+  sizes_ok &= expect_size("target_logprobs", got.target_logprobs.size(), k > 0, k);
+  sizes_ok &= expect_size("entropy", got.entropy.size(), job.entropy, 1);
+  sizes_ok &=
+      expect_size("reference_entropy", got.reference_entropy.size(), job.reference_entropy, 1);
+  sizes_ok &= expect_size("forward_kl", got.forward_kl.size(), job.forward_kl, 1);
+  sizes_ok &= expect_size("reverse_kl", got.reverse_kl.size(), job.reverse_kl, 1);
+  sizes_ok &= expect_size("jsd", got.jsd.size(), job.jsd_beta.has_value(), 1);
+  sizes_ok &= expect_size("top_k_ids", got.top_k_ids.size(), false, 0);
+  sizes_ok &= expect_size("top_k_logprobs", got.top_k_logprobs.size(), false, 0);
+  sizes_ok &= expect_size("token_count", token_count.size(), true, 1);
+  if (!sizes_ok) return;
+
+  // One fp64 sum (with its tolerance) per output column of a sequence.
+  struct Sum {
+    double value = 0.0;
+    double tol = 0.0;        // sum of the per-token tolerances
+    double magnitude = 0.0;  // sum of |value| + tol: bounds |every partial sum| of the service
+    void Add(double want, double token_tol) {
+      value += want;
+      if (std::isfinite(want)) {
+        tol += token_tol;
+        magnitude += std::abs(want) + token_tol;
       }
-      rep.Check("jsd", NearRecorded("jsd", got.jsd[r], ref.jsd, tol), row, -1);
     }
+  };
+  Reporter rep("sequence");
+  int64_t row = 0;
+  for (size_t s = 0; s < s_count; ++s) {
+    const int64_t seq = static_cast<int64_t>(s);
+    std::vector<Sum> target(k);
+    Sum entropy, reference_entropy, forward_kl, reverse_kl, jsd;
+    int64_t count = 0;
+    for (int64_t end = row + lengths[s]; row < end; ++row) {
+      if (!CountsInSums(job, row)) continue;
+      ++count;
+      const RowExpectation e = ExpectRow(job, row);
+      for (size_t c = 0; c < k; ++c) {
+        // An ignored id contributes exactly 0.
+        if (job.target_ids[row * k + c] != job.ignore_index) {
+          target[c].Add(e.ref.target_logprobs[c], e.target_tol[c]);
+        }
+      }
+      entropy.Add(e.ref.entropy, e.entropy_tol);
+      reference_entropy.Add(e.ref.reference_entropy, e.reference_entropy_tol);
+      forward_kl.Add(e.ref.forward_kl, e.forward_kl_tol);
+      reverse_kl.Add(e.ref.reverse_kl, e.reverse_kl_tol);
+      jsd.Add(e.ref.jsd, e.jsd_tol);
+    }
+    rep.Check("token_count",
+              ::testing::AssertionResult(token_count[s] == count)
+                  << "got " << token_count[s] << " counted rows, want " << count,
+              seq, -1);
+    // Each counted got_r is within its tolerance of ref_r, so |sum got - sum ref| <= sum tol_r.
+    // The service adds the fp32 values in double (each add rounds by 2^-53 of a partial sum,
+    // and every partial sum is <= `magnitude`) and rounds the total to fp32 once (u |total|).
+    const auto check = [&](bool requested, const char* name, float value, const Sum& sum,
+                           int64_t col) {
+      if (!requested) return;
+      const double tol = sum.tol + (static_cast<double>(count) * 0x1p-53 + kU) * sum.magnitude;
+      rep.Check(std::string("sum of ") + name, Near(value, sum.value, tol), seq, col);
+    };
+    for (size_t c = 0; c < k; ++c) {
+      check(true, "target_logprobs", got.target_logprobs[s * k + c], target[c],
+            static_cast<int64_t>(c));
+    }
+    const auto at = [s](const std::vector<float>& v) { return v.empty() ? 0.0f : v[s]; };
+    check(job.entropy, "entropy", at(got.entropy), entropy, -1);
+    check(job.reference_entropy, "reference_entropy", at(got.reference_entropy), reference_entropy,
+          -1);
+    check(job.forward_kl, "forward_kl", at(got.forward_kl), forward_kl, -1);
+    check(job.reverse_kl, "reverse_kl", at(got.reverse_kl), reverse_kl, -1);
+    check(job.jsd_beta.has_value(), "jsd", at(got.jsd), jsd, -1);
   }
 }
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "server/backend/backend.h"
@@ -74,9 +75,22 @@ double JsdTol(const RowScale& s, const RowScale& t, int64_t vocab, double beta, 
 ::testing::AssertionResult Near(float got, double ref, double tol);
 
 // Compares every output the job requested with reference::ScoreReference: values within the
-// tolerances above, top-k as a valid top-k of the reference up to near-ties (see the .cc), and
+// tolerances above; top-k position by position the reference's ids, except that two ids whose
+// fp64 log-probabilities are within their tolerances may come in either order unless they are a
+// true tie (equal logits, or both masked): then the smaller id first, as the reference has it;
 // ignored targets exactly +0.0. Reports at most a few failures per output.
 void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got);
+
+// Compares per-sequence sums over the consecutive sequences `lengths` (summing to job.rows) with
+// fp64 sums of the reference's per-token values. `sums` is laid out like a ScoreResult over S
+// sequences instead of N rows (logitserve.v1.SequenceSums: target_logprobs [S * K], the others
+// [S], empty when not requested; no top-k); `token_count` [S] holds the rows counted. A row
+// counts unless the job has target ids and every id of the row is ignore_index; an ignored id
+// adds exactly 0. Tolerance: the sum of the counted rows' per-token tolerances above, plus the
+// double accumulation and the final rounding to fp32 of the service's sum.
+void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64_t> lengths,
+                                      const ScoreResult& sums,
+                                      std::span<const int64_t> token_count);
 
 // Every output of a and b identical bit for bit (sizes included).
 void ExpectBitwiseEqual(const ScoreResult& a, const ScoreResult& b);

@@ -5,34 +5,9 @@
 #include <limits>
 #include <utility>
 
-namespace logitserve::testing {
+#include "server/heads/float16.h"
 
-uint16_t FloatToFloat16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN stays (quiet) NaN
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  const uint32_t e = abs >> 23;
-  if (abs >= 0x38800000u) {  // normal in binary16 (>= 2^-14)
-    const uint32_t mant = abs & 0x7fffffu;
-    uint32_t h = ((e - 112u) << 10) | (mant >> 13);
-    const uint32_t rest = mant & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry may bump the exponent
-    return static_cast<uint16_t>(sign | h);
-  }
-  // Subnormal (or zero) in binary16: the value is mant * 2^(e - 150); in units of 2^-24 that is
-  // mant >> (126 - e), rounded to nearest even.
-  const uint32_t shift = 126u - e;
-  if (e == 0 || shift > 24u) return sign;  // below 2^-25 (or exactly half of it, ties to 0)
-  const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-  uint32_t h = mant >> shift;
-  const uint32_t rest = mant & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rest > half || (rest == half && (h & 1u))) ++h;
-  return static_cast<uint16_t>(sign | h);
-}
+namespace logitserve::testing {
 
 float RoundTo(FloatType type, float f) {
   switch (type) {
@@ -43,18 +18,6 @@ float RoundTo(FloatType type, float f) {
     case FloatType::kFloat16:
     default:
       return kernels::Float16ToFloat(FloatToFloat16(f));
-  }
-}
-
-std::string DTypeName(FloatType type) {
-  switch (type) {
-    case FloatType::kFloat32:
-      return "fp32";
-    case FloatType::kBFloat16:
-      return "bf16";
-    case FloatType::kFloat16:
-    default:
-      return "fp16";
   }
 }
 

@@ -16,20 +16,19 @@
 #include "absl/status/statusor.h"
 #include "logitserve/kernels/dtype.h"
 #include "server/backend/backend.h"
+#include "server/heads/head_loader.h"
 #include "server/heads/head_weights.h"
 
 namespace logitserve::testing {
 
 using kernels::FloatType;
 
-// fp32 -> IEEE binary16, round to nearest even (overflow to inf, subnormals kept, NaN quiet).
-uint16_t FloatToFloat16(float f);
-
-// fp32 -> `type` -> fp32: the value a backend reads when `f` is sent as `type`.
+// fp32 -> `type` -> fp32: the value a backend reads when `f` is sent as `type` (round to nearest
+// even: kernels::FloatToBFloat16, logitserve::FloatToFloat16).
 float RoundTo(FloatType type, float f);
 
-// "fp32", "bf16", "fp16".
-std::string DTypeName(FloatType type);
+// "fp32", "bf16", "fp16" (head_loader's FloatTypeName, as a std::string for test names).
+inline std::string DTypeName(FloatType type) { return std::string(FloatTypeName(type)); }
 
 // A row-major [rows, cols] matrix owned by the test, encoded in one of the float types.
 struct HostMatrix {

@@ -1,6 +1,9 @@
-// Shared pieces of the end-to-end service tests: a channel to a ServerProcess, the heads the
-// test server is started with (rebuilt here bit for bit, for the fp64 reference), and the
-// comparison of a ScoreResponse with the fp64 reference computed from the same request bytes.
+// Shared pieces of the end-to-end tests (tests/service and tests/client): a channel to a
+// ServerProcess, the heads the service test server is started with (rebuilt here bit for bit, for
+// the fp64 reference), and the comparison of a server's answer with the fp64 reference computed
+// from the request's own bytes. The comparison is the kernels' harness
+// (tests/kernels/expect_reference.h: one set of tolerances for every suite); this file only turns
+// wire messages into its ScoreJob / ScoreResult / SequenceSums.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -40,11 +43,29 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& address);
 grpc::Status CallScore(v1::Scorer::Stub& stub, const v1::ScoreRequest& request,
                        v1::ScoreResponse* response);
 
-// Checks every output of `response` against the fp64 reference of `request` (computed from the
-// request's own bytes; nothing is taken from the server's answer). `heads` maps head names of
-// the request to ReferenceHead()s.
-void ExpectMatchesReference(
-    const v1::ScoreRequest& request, const v1::ScoreResponse& response,
-    const std::map<std::string, std::shared_ptr<const PreparedHead>>& heads);
+// Head name -> the head's weights, as the reference reads them.
+using HeadMap = std::map<std::string, std::shared_ptr<const PreparedHead>>;
+
+// The job a valid request describes, built directly from its fields (the tests' own reading of
+// the wire contract, not the service's validation code). The job's views point into the
+// request's bytes: the request must outlive the job.
+ScoreJob JobOf(const v1::ScoreRequest& request, const HeadMap& heads);
+
+// Per-sequence sums laid out as the harness takes them: a ScoreResult over S sequences (no
+// top-k) plus the counted rows [S].
+struct SequenceSums {
+  ScoreResult sums;
+  std::vector<int64_t> token_count;
+};
+
+// Checks per-token outputs `got` (and, when the request has sequence_lengths, the per-sequence
+// sums `sums`, which must then be non-null) against the fp64 reference of `request`.
+void ExpectOutputsMatchReference(const v1::ScoreRequest& request, const ScoreResult& got,
+                                 const SequenceSums* sums, const HeadMap& heads);
+
+// The same for a ScoreResponse, plus what the response echoes: request_id, K, k, timings, and no
+// sequence sums unless they were asked for.
+void ExpectMatchesReference(const v1::ScoreRequest& request, const v1::ScoreResponse& response,
+                            const HeadMap& heads);
 
 }  // namespace logitserve::e2e

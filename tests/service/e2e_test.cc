@@ -316,6 +316,44 @@ TEST_F(ScorerE2eTest, JsdEndpointsAreTheKls) {
   }
 }
 
+TEST_F(ScorerE2eTest, IgnoreIndexInsideTheVocabulary) {
+  // ignore_index = 5 is a real id: every id 5 gives exactly 0.0 (and a row of only 5s leaves the
+  // sequence sums), every other id its ordinary log-probability.
+  constexpr int64_t n = 5;
+  constexpr int64_t v = 40;
+  v1::ScoreRequest r;
+  r.set_request_id("ignore-inside");
+  *r.mutable_logits() = FloatTensor(v1::FLOAT32, Normal(n * v, 80, 3.0f), {n, v});
+  const std::vector<int64_t> ids = {5, 0, 39, 5, 5, 5, 7, -100, 5, 6, 5, 4, 5, 5, 3};
+  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {n, 3});
+  r.set_ignore_index(5);
+  r.set_entropy(true);
+  r.set_top_k(6);  // id 5 is still ranked like any other token
+  r.add_sequence_lengths(2);
+  r.add_sequence_lengths(3);
+  // -100 is an ordinary (invalid) id now.
+  v1::ScoreResponse response;
+  grpc::Status status = CallScore(stub(), r, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("row 2"));
+  std::vector<int64_t> fixed = ids;
+  fixed[7] = 8;
+  *r.mutable_target_ids() = IdTensor(v1::INT64, fixed, {n, 3});
+  ScoreAndCheck(r);
+
+  status = CallScore(stub(), r, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  for (size_t i = 0; i < fixed.size(); ++i) {
+    if (fixed[i] == 5) {
+      EXPECT_EQ(response.target_logprobs(static_cast<int>(i)), 0.0f) << i;
+    } else {
+      EXPECT_LT(response.target_logprobs(static_cast<int>(i)), 0.0f) << i;
+    }
+  }
+  // Row 1 holds only 5s: sequence 0 counts one row.
+  EXPECT_THAT(response.sequence_sums().token_count(), ::testing::ElementsAre(1, 3));
+}
+
 TEST_F(ScorerE2eTest, UnusedReferenceIsIgnored) {
   v1::ScoreRequest r = SmallValidRequest();
   r.set_reference_head(kReference.name);
@@ -612,6 +650,39 @@ std::vector<BadCase> BadCases() {
        },
        kInvalid,
        {"sequence_lengths", "sum 3", "N = 4"}},
+      {"ReferenceLogitsVocabMismatch",
+       [=](v1::ScoreRequest& r) {
+         use_logits(r);  // 100 ids
+         r.set_reverse_kl(true);
+         *r.mutable_reference_logits() = logits(n, 101);
+       },
+       kInvalid,
+       {"reference_logits", "vocabulary size 101", "model vocabulary size 100"}},
+      {"IdsPerRowOverTheCap",
+       [=](v1::ScoreRequest& r) {
+         *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n * 1025, v, 66), {n, 1025});
+       },
+       kInvalid,
+       {"target_ids", "1025 ids per row", "1024", "--max-target-ids-per-row"}},
+      {"HugeIdsPerRowWithNoRows",
+       // [0, 2147483647] ids hold no bytes at all: K must still be bounded before anything is
+       // sized by it (the per-sequence sums, the backend's per-tile buffers).
+       [](v1::ScoreRequest& r) {
+         r = SmallValidRequest(0);
+         *r.mutable_target_ids() =
+             IdTensor(v1::INT32, {}, {0, std::numeric_limits<int32_t>::max()});
+         r.add_sequence_lengths(0);
+       },
+       kInvalid,
+       {"target_ids", "2147483647 ids per row", "--max-target-ids-per-row"}},
+      {"MoreSequencesThanTheTokenLimit",
+       // Zero-length sequences are allowed, but no more of them than --max-tokens-per-request.
+       [](v1::ScoreRequest& r) {
+         r.add_sequence_lengths(4);
+         for (int i = 0; i < 65536; ++i) r.add_sequence_lengths(0);
+       },
+       C::RESOURCE_EXHAUSTED,
+       {"sequence_lengths", "65537 sequences", "65536", "--max-tokens-per-request"}},
       {"NaNHidden", bad_hidden(kNaN), kInvalid, {"hidden", "row 2", "NaN"}},
       {"PosInfHidden", bad_hidden(kInf), kInvalid, {"hidden", "row 2", "+inf"}},
       {"NegInfHidden", bad_hidden(-kInf), kInvalid, {"hidden", "row 2", "-inf"}},
@@ -624,6 +695,18 @@ std::vector<BadCase> BadCases() {
        },
        kInvalid,
        {"reference_hidden", "row 1"}},
+      {"HiddenOverflowsTheLogits",
+       // Finite hidden states (so validation accepts them) whose logits overflow fp32: row 2 is
+       // 3e38 everywhere, so h . w_j = 3e38 * sum_i w_ji, with sum_i w_ji of spread
+       // kSyntheticLogitStd = 3 nats, is beyond FLT_MAX (+inf or NaN) for most ids j. The backend
+       // finds them during its pass.
+       [=](v1::ScoreRequest& r) {
+         std::vector<float> x = Normal(n * h, 67);
+         for (int64_t i = 0; i < h; ++i) x[2 * h + i] = 3e38f;
+         *r.mutable_hidden() = FloatTensor(v1::FLOAT32, x, {n, h});
+       },
+       kInvalid,
+       {"hidden", "row 2"}},
   };
 }
 
@@ -665,8 +748,8 @@ INSTANTIATE_TEST_SUITE_P(AllRules, InvalidRequestTest, ::testing::ValuesIn(BadCa
 // Server limits.
 
 TEST(ServerLimitsTest, OverLimitRequestsAreResourceExhausted) {
-  ServerFixture server(
-      {"--max-tokens-per-request", "8", "--max-receive-message-bytes", "8192", "--max-top-k", "4"});
+  ServerFixture server({"--max-tokens-per-request", "8", "--max-receive-message-bytes", "8192",
+                        "--max-top-k", "4", "--max-target-ids-per-row", "2"});
   ASSERT_TRUE(server.ok());
   v1::ScoreResponse response;
 
@@ -690,7 +773,28 @@ TEST(ServerLimitsTest, OverLimitRequestsAreResourceExhausted) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("top_k"));
 
+  // K over --max-target-ids-per-row.
+  v1::ScoreRequest wide = SmallValidRequest(2);
+  *wide.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(6, kPolicy.vocab, 71), {2, 3});
+  status = CallScore(server.stub(), wide, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("target_ids"));
+  EXPECT_THAT(status.error_message(), HasSubstr("limit of 2"));
+
+  // More sequences than --max-tokens-per-request (zero-length ones count).
+  v1::ScoreRequest seqs = SmallValidRequest(2);
+  for (int64_t len : {1, 0, 0, 0, 0, 0, 0, 0, 1}) seqs.add_sequence_lengths(len);
+  status = CallScore(server.stub(), seqs, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("sequence_lengths"));
+
   // Within every limit: served.
+  *wide.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(4, kPolicy.vocab, 72), {2, 2});
+  wide.set_top_k(4);
+  for (int64_t len : {1, 0, 0, 0, 0, 0, 0, 1}) wide.add_sequence_lengths(len);
+  status = CallScore(server.stub(), wide, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ExpectMatchesReference(wide, response, ReferenceHeads());
   top.set_top_k(4);
   status = CallScore(server.stub(), top, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();

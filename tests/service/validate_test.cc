@@ -184,6 +184,73 @@ TEST_F(ValidateTest, TwoDimensionalIdsAndCustomIgnoreIndex) {
                 HasSubstr("row 0"), HasSubstr("column 1"));
 }
 
+TEST_F(ValidateTest, IgnoreIndexInsideTheVocabulary) {
+  // ignore_index may be a real id: those ids are ignored (kept as is in the job), the others are
+  // ordinary ids, and range checks still apply to them.
+  v1::ScoreRequest r = LogitsRequest(2);
+  *r.mutable_target_ids() = IdTensor(v1::INT64, std::vector<int64_t>{7, 3, 7, 49}, {2, 2});
+  r.set_ignore_index(7);
+  absl::StatusOr<ValidatedRequest> v = Validate(r);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->job.ignore_index, 7);
+  EXPECT_EQ(v->job.target_ids, (std::vector<int32_t>{7, 3, 7, 49}));
+  // -100 is no longer ignorable.
+  *r.mutable_target_ids() = IdTensor(v1::INT64, std::vector<int64_t>{7, -100, 7, 49}, {2, 2});
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
+                HasSubstr("row 0"), HasSubstr("column 1"), HasSubstr("-100"));
+}
+
+TEST_F(ValidateTest, TargetIdsPerRowLimit) {
+  limits_.max_target_ids_per_row = 4;
+  v1::ScoreRequest r = LogitsRequest(2);
+  *r.mutable_target_ids() = IdTensor(v1::INT32, Ids(8), {2, 4});
+  EXPECT_TRUE(Validate(r).ok());
+  *r.mutable_target_ids() = IdTensor(v1::INT32, Ids(10), {2, 5});
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
+                HasSubstr("5 ids per row"), HasSubstr("4"), HasSubstr("--max-target-ids-per-row"));
+
+  // N = 0 makes any [0, K] tensor zero bytes long: K is still bounded (the default limit).
+  limits_ = RequestLimits();
+  r = HiddenRequest(0);
+  r.mutable_target_ids()->set_shape(0, 0);
+  r.mutable_target_ids()->add_shape(std::numeric_limits<int32_t>::max());
+  r.add_sequence_lengths(0);
+  r.set_entropy(true);
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
+                HasSubstr("2147483647 ids per row"), HasSubstr("1024"));
+  r.mutable_target_ids()->set_shape(1, 1024);
+  EXPECT_TRUE(Validate(r).ok());
+}
+
+TEST_F(ValidateTest, SequenceCountLimit) {
+  // Zero-length sequences are allowed, so there may be more sequences than rows, but no more
+  // than --max-tokens-per-request of them.
+  limits_.max_tokens_per_request = 4;
+  v1::ScoreRequest r = HiddenRequest(2);
+  for (int64_t len : {0, 1, 0, 1}) r.add_sequence_lengths(len);
+  absl::StatusOr<ValidatedRequest> v = Validate(r);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->sequence_lengths, (std::vector<int64_t>{0, 1, 0, 1}));
+  r.add_sequence_lengths(0);
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kResourceExhausted, HasSubstr("sequence_lengths"),
+                HasSubstr("5 sequences"), HasSubstr("4"));
+}
+
+TEST_F(ValidateTest, ResponseArraysFitARepeatedField) {
+  // Only raised limits get here: 2^15 empty sequences x K = 2^16 - 1 ids per row is
+  // 2147450880 sums, within INT32_MAX; one sequence more is 2147516415, beyond it.
+  limits_.max_tokens_per_request = int64_t{1} << 40;
+  limits_.max_target_ids_per_row = 1 << 16;
+  v1::ScoreRequest r = HiddenRequest(0);
+  r.mutable_target_ids()->set_shape(0, 0);
+  r.mutable_target_ids()->add_shape((1 << 16) - 1);
+  for (int i = 0; i < (1 << 15); ++i) r.add_sequence_lengths(0);
+  EXPECT_TRUE(Validate(r).ok());
+  r.add_sequence_lengths(0);
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kResourceExhausted, HasSubstr("sequence_lengths"),
+                HasSubstr("2147516415 values"));
+}
+
 TEST_F(ValidateTest, ByteLengthMustMatchShape) {
   v1::ScoreRequest r = HiddenRequest(3);
   r.mutable_hidden()->mutable_data()->push_back('x');
@@ -388,6 +455,16 @@ TEST_F(ValidateTest, ReferenceVocabAndRowsMustMatch) {
   *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(3 * kVocab), {3, kVocab});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_logits"),
                 HasSubstr("3 rows"), HasSubstr("2 rows"));
+  // Logits mode: the reference's vocabulary (its width) must be the model's too.
+  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(2 * (kVocab + 1)), {2, kVocab + 1});
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_logits"),
+                HasSubstr("vocabulary size 51"), HasSubstr("model vocabulary size 50"));
+  // A hidden-mode model against a logits-mode reference of the wrong width.
+  r = HiddenRequest(2);
+  r.set_reverse_kl(true);
+  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(2 * (kVocab - 1)), {2, kVocab - 1});
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_logits"),
+                HasSubstr("vocabulary size 49"), HasSubstr("50"));
 }
 
 TEST_F(ValidateTest, Temperatures) {
@@ -456,16 +533,24 @@ TEST_F(ValidateTest, SequenceLengths) {
   EXPECT_TRUE(Validate(r).ok());
 }
 
+// The hidden-state scan is not part of validation (the handler never reads the bulk of a
+// request); the worker runs CheckHiddenStatesFinite on the validated job.
 TEST_F(ValidateTest, NonFiniteHiddenStates) {
   for (v1::DType dtype : {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16}) {
     for (float bad : {kNaN, kInf, -kInf}) {
+      SCOPED_TRACE(v1::DType_Name(dtype) + " " + std::to_string(bad));
       std::vector<float> h = Ramp(4 * kHidden);
       h[2 * kHidden + 5] = bad;
       h[3 * kHidden + 1] = bad;  // a later bad row is not the one reported
       v1::ScoreRequest r = HiddenRequest(4);
       *r.mutable_hidden() = FloatTensor(dtype, h, {4, kHidden});
-      EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("hidden"),
-                    HasSubstr("row 2"), HasSubstr("column 5"));
+      absl::StatusOr<ValidatedRequest> v = Validate(r);
+      ASSERT_TRUE(v.ok()) << v.status();
+      const absl::Status s = CheckHiddenStatesFinite(v->job);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_THAT(std::string(s.message()),
+                  AllOf(HasSubstr("hidden"), HasSubstr("row 2"), HasSubstr("column 5"),
+                        HasSubstr(std::isnan(bad) ? "NaN" : (bad > 0 ? "+inf" : "-inf"))));
     }
   }
   // The reference side too.
@@ -475,8 +560,15 @@ TEST_F(ValidateTest, NonFiniteHiddenStates) {
   r.set_reverse_kl(true);
   r.set_reference_head("ref");
   *r.mutable_reference_hidden() = FloatTensor(v1::FLOAT32, h, {2, kHidden});
-  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_hidden"),
-                HasSubstr("row 1"), HasSubstr("NaN"));
+  absl::StatusOr<ValidatedRequest> v = Validate(r);
+  ASSERT_TRUE(v.ok()) << v.status();
+  const absl::Status s = CheckHiddenStatesFinite(v->job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr("reference_hidden"), HasSubstr("row 1"), HasSubstr("NaN")));
+  // Finite hidden states, and logits-mode jobs, pass.
+  EXPECT_TRUE(CheckHiddenStatesFinite(Validate(HiddenRequest(3))->job).ok());
+  EXPECT_TRUE(CheckHiddenStatesFinite(Validate(LogitsRequest(3))->job).ok());
 }
 
 TEST_F(ValidateTest, LargeFiniteHiddenValuesAreAccepted) {
@@ -485,7 +577,9 @@ TEST_F(ValidateTest, LargeFiniteHiddenValuesAreAccepted) {
   h[1] = -3e38f;
   v1::ScoreRequest r = HiddenRequest(2);
   *r.mutable_hidden() = FloatTensor(v1::FLOAT32, h, {2, kHidden});
-  EXPECT_TRUE(Validate(r).ok());
+  absl::StatusOr<ValidatedRequest> v = Validate(r);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(CheckHiddenStatesFinite(v->job).ok());
 }
 
 TEST_F(ValidateTest, LogitsMayHoldNonFiniteValues) {
