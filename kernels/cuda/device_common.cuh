@@ -1,5 +1,5 @@
 // Device-side helpers shared by the CUDA kernels (private to kernels/cuda): loading a block's
-// slice into registers with the transform, exp on the clamped shift, warp reductions.
+// slice into registers with the transform, exp on the clamped shift, fixed-shape reductions.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -11,6 +11,7 @@
 
 namespace logitserve::kernels::cuda::detail {
 
+inline constexpr int kWarps = kBlockThreads / 32;
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
 // Shifted logits are clamped here before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
@@ -81,12 +82,6 @@ __device__ __forceinline__ float LoadOne(const DeviceSource& s, int64_t row, int
   return TransformOne(s.t, c, LoadRaw(s, row, c));
 }
 
-// LoadOne out of line: the path of partial blocks and unaligned rows, kept out of the unrolled
-// fast paths so that code size (and ptxas time) stays small.
-static __device__ __noinline__ float LoadOneSlow(const DeviceSource& s, int64_t row, int64_t c) {
-  return LoadOne(s, row, c);
-}
-
 // Elements [c, c + 8) of row `row` (c a multiple of 8) into v, transformed; past s.cols -inf.
 __device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_t c,
                                       float (&v)[8]) {
@@ -123,12 +118,14 @@ __device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_
     return;
   }
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = LoadOneSlow(s, row, c + k);
+  for (int k = 0; k < 8; ++k)
+    v[k] = (k < n) ? TransformOne(s.t, c + k, LoadRaw(s, row, c + k)) : NegInfF();
 }
 
-// ---- Warp reductions -------------------------------------------------------------------------
-// Lanes combine with an xor butterfly: every lane ends with the same bits (IEEE addition and max
-// are commutative), and the shape is fixed.
+// ---- Fixed-shape CTA reductions (kBlockThreads threads, all must call) ----------------------
+// Lanes combine with an xor butterfly (every lane ends with the same bits: IEEE addition is
+// commutative), then every thread adds the kWarps warp partials in one fixed tree. `smem` holds
+// kWarps floats per reduced value and is not reused before the next __syncthreads.
 
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
@@ -139,6 +136,50 @@ __device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, off));
   return x;
+}
+
+static_assert(kWarps == 8, "the fixed trees below combine 8 warps");
+
+__device__ __forceinline__ float Tree8Sum(const float* p) {
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+__device__ __forceinline__ float Tree8Max(const float* p) {
+  return fmaxf(fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3])),
+               fmaxf(fmaxf(p[4], p[5]), fmaxf(p[6], p[7])));
+}
+
+// Reduces N values at once (sums), results in every thread. smem: [N][kWarps].
+template <int N>
+__device__ __forceinline__ void BlockSums(float (&x)[N], float* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = WarpSum(x[i]);
+    if (lane == 0) smem[i * kWarps + warp] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = Tree8Sum(smem + i * kWarps);
+}
+
+template <int N>
+__device__ __forceinline__ void BlockMaxes(float (&x)[N], float* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = WarpMax(x[i]);
+    if (lane == 0) smem[i * kWarps + warp] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = Tree8Max(smem + i * kWarps);
+}
+
+// Launch geometry of the (row, block) kernels: one CTA per (row, block), blocks of a row adjacent.
+inline unsigned GridFor(int64_t rows, int64_t blocks) {
+  return static_cast<unsigned>(rows * blocks);
 }
 
 }  // namespace logitserve::kernels::cuda::detail

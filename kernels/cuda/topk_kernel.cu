@@ -1,19 +1,14 @@
-// Running top-k per row. One CTA per row walks the source's blocks in order. While its list holds
-// fewer than k entries it takes one block per step; once the list is full it takes
-// kGroupBlocks blocks per step (more loads in flight, a quarter of the steps and barriers). Each
-// step:
-//   1. every thread keeps those of its values that beat the list's current k-th entry (all of
-//      them while the list holds fewer than k) as candidates in shared memory: it counts them,
-//      the warp scans the counts and reserves room with one atomic, then the thread writes them;
+// Running top-k per row. One CTA per row walks the source's blocks in order; for each block:
+//   1. every thread keeps those of its 8 values that beat the list's current k-th entry (all of
+//      them while the list holds fewer than k) as candidates in shared memory;
 //   2. the candidates are padded to a power of two with sentinels and bitonic-sorted, best first;
 //   3. the list and the candidates are merged by rank: an entry's place in the merged list is its
 //      index in its own list plus the number of entries of the other list that are Better than it
 //      (a binary search). Better is a strict total order on (value, id) and ids are distinct, so
 //      places are unique and the first k form the new list.
-// Candidates land in shared memory in no particular order; the sort makes the result independent
-// of that order, and the strict order makes the final top-k unique, whatever the block order,
-// the grouping or the shard layout. Shared memory holds every value of a step (the worst case:
-// each beats the k-th), so no candidate is ever dropped.
+// Candidates are appended with a shared atomic counter, in no particular order; the sort makes the
+// result independent of that order, and the strict order makes the final top-k unique, whatever
+// the block order or shard layout.
 #include <climits>
 
 #include "kernels/cuda/device_common.cuh"
@@ -60,82 +55,39 @@ __device__ void BitonicSortBestFirst(TopKEntry* s, int n) {
   }
 }
 
-constexpr int kGroupBlocks = 4;
-constexpr int kCandCap = kGroupBlocks * kVocabBlock;
-constexpr size_t kCandBytes = sizeof(TopKEntry) * kCandCap;  // dynamic shared memory
-
 __global__ void __launch_bounds__(kBlockThreads)
     TopKUpdateKernel(DeviceSource a, int64_t col0, int64_t blocks, int32_t k, TopKEntry* lists,
                      int32_t* counts) {
-  extern __shared__ TopKEntry cand[];  // kCandCap
   __shared__ TopKEntry list[kMaxTopK];
   __shared__ TopKEntry merged[kMaxTopK];
-  // Candidate counters, used alternately: step i appends to num_cand[i & 1] while the other one
-  // is reset for the next step (every thread has read it by the barrier at the top).
+  __shared__ TopKEntry cand[kVocabBlock];
+  // Candidate counters, used alternately: block `blk` appends to num_cand[blk & 1] while the
+  // other one is reset for the next block (every thread has read it by the barrier at the top).
   __shared__ int num_cand[2];
-  const int lane = threadIdx.x & 31;
   const int64_t row = blockIdx.x;
   int count = counts[row];
   TopKEntry* global_list = lists + row * k;
   for (int i = threadIdx.x; i < count; i += blockDim.x) list[i] = global_list[i];
   if (threadIdx.x == 0) num_cand[0] = num_cand[1] = 0;
 
-  int64_t blk = 0;
-  for (int step = 0; blk < blocks; ++step) {
-    const int p = step & 1;
-    __syncthreads();  // the previous step is done: list, count and num_cand[p ^ 1] are settled
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int p = static_cast<int>(blk & 1);
+    __syncthreads();  // the previous block is done: list, count and num_cand[p ^ 1] are settled
     if (threadIdx.x == 0) num_cand[p ^ 1] = 0;
-    const bool full = count == k;  // uniform
-    const int group = full ? kGroupBlocks : 1;
+    const bool full = count == k;
     const TopKEntry worst = full ? list[k - 1] : Sentinel();
-    const int64_t first = blk;
-    blk += group;
-    float v[kGroupBlocks][8];
+    const int64_t c = blk * kVocabBlock + threadIdx.x * kElemsPerThread;
+    float v[8];
+    detail::Load8(a, row, c, v);
 #pragma unroll
-    for (int g = 0; g < kGroupBlocks; ++g) {
-      if (g < group && first + g < blocks) {
-        detail::Load8(a, row, (first + g) * kVocabBlock + threadIdx.x * kElemsPerThread, v[g]);
-      }
-    }
-    // Candidate (g, j) is column c(g) + j; it exists when g < group, first + g < blocks and
-    // c(g) + j < cols.
-    auto keep = [&](int g, int j, TopKEntry* e) {
-      const int64_t c = (first + g) * kVocabBlock + threadIdx.x * kElemsPerThread + j;
-      if (g >= group || first + g >= blocks || c >= a.cols) return false;
-      *e = TopKEntry{v[g][j], static_cast<int32_t>(col0 + c)};
-      return !full || Better(*e, worst);
-    };
-    int mine = 0;
-#pragma unroll
-    for (int g = 0; g < kGroupBlocks; ++g) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        TopKEntry e;
-        mine += keep(g, j, &e) ? 1 : 0;
-      }
-    }
-    int inclusive = mine;  // warp scan of the counts, then one reservation per warp
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(detail::kFullMask, inclusive, off);
-      if (lane >= off) inclusive += y;
-    }
-    int base = 0;
-    if (lane == 31 && inclusive > 0) base = atomicAdd(&num_cand[p], inclusive);
-    int at = __shfl_sync(detail::kFullMask, base, 31) + inclusive - mine;
-    if (mine > 0) {
-#pragma unroll
-      for (int g = 0; g < kGroupBlocks; ++g) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          TopKEntry e;
-          if (keep(g, j, &e)) cand[at++] = e;
-        }
-      }
+    for (int j = 0; j < 8; ++j) {
+      if (c + j >= a.cols) break;
+      const TopKEntry e{v[j], static_cast<int32_t>(col0 + c + j)};
+      if (!full || Better(e, worst)) cand[atomicAdd(&num_cand[p], 1)] = e;
     }
     __syncthreads();
     const int n = num_cand[p];
-    if (n == 0) continue;  // uniform: nothing in this step beats the list
+    if (n == 0) continue;  // uniform: nothing in this block beats the list
     int padded = 1;
     while (padded < n) padded <<= 1;
     for (int i = n + threadIdx.x; i < padded; i += blockDim.x) cand[i] = Sentinel();
@@ -166,13 +118,7 @@ cudaError_t LaunchTopKUpdate(const LogitsSource& a, int64_t rows, int32_t k, Top
                              int32_t* counts, cudaStream_t stream) {
   if (rows <= 0 || k <= 0 || a.cols <= 0) return cudaSuccess;
   if (k > kMaxTopK || rows > INT_MAX) return cudaErrorInvalidValue;
-  // 64 KiB of candidates: above the 48 KiB default, so opt in (cheap; idempotent).
-  if (const cudaError_t e = cudaFuncSetAttribute(
-          TopKUpdateKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kCandBytes));
-      e != cudaSuccess) {
-    return e;
-  }
-  TopKUpdateKernel<<<static_cast<unsigned>(rows), kBlockThreads, kCandBytes, stream>>>(
+  TopKUpdateKernel<<<static_cast<unsigned>(rows), kBlockThreads, 0, stream>>>(
       detail::MakeDeviceSource(a), a.col0, a.blocks(), k, lists, counts);
   return cudaGetLastError();
 }

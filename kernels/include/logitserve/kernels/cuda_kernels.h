@@ -7,13 +7,12 @@
 // laid out exactly as the CPU's (BlockStats / PairBlockStats), folded in global block order with
 // FoldBlock / FoldPairBlock, finished with LogProb / Entropy / KlAB / KlBA.
 //
-// Determinism: every reduction has a fixed shape. One warp reads one block of one row: lane l
-// holds the 64 ids {256 i + 8 l + j : i < 8, j < 8} of the block (8 chunks of 8, 16-byte loads),
-// adds them with i outer and j inner into two partial sums (even and odd i), adds those, and the
-// lanes combine with a fixed xor-butterfly. The warps walk (row, block) items grid-stride: the
-// grid size, the row count, the shard layout and the input dtype (every input is converted
-// exactly to fp32 first) change which warp computes an item, never how. Top-k uses a strict total
-// order (Better), so its result is unique whatever order candidates are seen in.
+// Determinism: every reduction has a fixed shape. One CTA of kBlockThreads threads reads one block
+// of one row; thread t holds elements [8t, 8t + 8) in registers and accumulates them in index
+// order; warps combine lanes with a fixed xor-butterfly, and the 8 warp partials are added in a
+// fixed tree. Nothing depends on the grid size, the row count, the shard layout or the input dtype
+// (every input is converted exactly to fp32 first). Top-k uses a strict total order (Better), so
+// its result is unique whatever order candidates are seen in.
 //
 // Exponentials: exp2f(x * log2(e)) on clamped, non-positive x. exp2f is accurate to 2 ulp (CUDA
 // C Programming Guide, "Mathematical Functions"); the pre-scale rounds the argument by |x| u,
@@ -37,11 +36,10 @@
 
 namespace logitserve::kernels::cuda {
 
-// The top-k kernel: one CTA of kBlockThreads threads per row, kElemsPerThread ids per thread and
-// block.
+// One CTA reads one vocabulary block: kBlockThreads threads x kElemsPerThread elements.
 inline constexpr int kBlockThreads = 256;
 inline constexpr int kElemsPerThread = 8;
-static_assert(kBlockThreads * kElemsPerThread == kVocabBlock, "one CTA pass covers one block");
+static_assert(kBlockThreads * kElemsPerThread == kVocabBlock, "one CTA covers one block");
 
 // Most ranks (vocabulary shards) a fold can combine.
 inline constexpr int kMaxRanks = 16;
