@@ -14,7 +14,10 @@ function(logitserve_add_test)
   if(NOT T_LABELS)
     set(T_LABELS unit)  # an empty LABELS value would swallow the next property name
   endif()
+  # Test names are prefixed with the executable's: the CPU and CUDA builds of one suite hold tests
+  # of the same name, and ctest keys test properties by name.
   gtest_discover_tests(${T_NAME}
+    TEST_PREFIX "${T_NAME}:"
     DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
                # A GTEST_SKIP (e.g. no GPU) is reported by ctest as skipped, never as passed.
