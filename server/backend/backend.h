@@ -93,6 +93,10 @@ struct ShardRange {
   int64_t end = 0;
 };
 
+// Sizes every requested output of `result` for `job` (the others empty), and checks the limits
+// every backend shares (top_k <= vocab and <= kernels::kMaxTopK). Backends call it first.
+absl::Status StartResult(const ScoreJob& job, ScoreResult* result);
+
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -556,20 +556,8 @@ absl::Status RankWorker::Run() {
 }
 
 absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
-  const size_t n = static_cast<size_t>(job.rows);
-  *result = ScoreResult{};
-  result->target_logprobs.resize(n * static_cast<size_t>(job.ids_per_row));
-  result->top_k_ids.resize(n * static_cast<size_t>(job.top_k));
-  result->top_k_logprobs.resize(n * static_cast<size_t>(job.top_k));
-  if (job.entropy) result->entropy.resize(n);
-  if (job.reference_entropy) result->reference_entropy.resize(n);
-  if (job.forward_kl) result->forward_kl.resize(n);
-  if (job.reverse_kl) result->reverse_kl.resize(n);
-  if (job.jsd_beta) result->jsd.resize(n);
+  if (absl::Status s = StartResult(job, result); !s.ok()) return s;
   if (job.rows == 0) return absl::OkStatus();
-  if (job.top_k > k::kMaxTopK || job.top_k > job.vocab) {
-    return absl::InvalidArgumentError("top_k exceeds the vocabulary or the kernel cap");
-  }
 
   const std::vector<ShardRange> layout = ShardLayout(job.vocab);
   const int shards = static_cast<int>(layout.size());

@@ -5,26 +5,17 @@
 
 #include "absl/synchronization/mutex.h"
 #include "server/backend/communicator.h"
+#include "server/backend/host_barrier.h"
 
 namespace logitserve {
 namespace {
 
 class Group {
  public:
-  explicit Group(int size) : size_(size), slots_(static_cast<size_t>(size)) {}
+  explicit Group(int size) : size_(size), barrier_(size), slots_(static_cast<size_t>(size)) {}
 
   // Blocks until all ranks have arrived at this barrier.
-  void Barrier() {
-    absl::MutexLock lock(&mu_);
-    const uint64_t gen = generation_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.SignalAll();
-      return;
-    }
-    while (generation_ == gen) cv_.Wait(&mu_);
-  }
+  void Barrier() { barrier_.Wait(); }
 
   void Deposit(int rank, const void* data, size_t bytes) {
     absl::MutexLock lock(&mu_);
@@ -38,10 +29,8 @@ class Group {
 
  private:
   const int size_;
+  HostBarrier barrier_;
   absl::Mutex mu_;
-  absl::CondVar cv_;
-  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::pair<const void*, size_t>> slots_ ABSL_GUARDED_BY(mu_);
 };
 

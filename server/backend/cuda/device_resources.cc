@@ -65,16 +65,4 @@ absl::Status CudaStream::Create(int device) {
   return absl::OkStatus();
 }
 
-void HostBarrier::Wait() {
-  absl::MutexLock lock(&mu_);
-  const uint64_t gen = generation_;
-  if (++arrived_ == size_) {
-    arrived_ = 0;
-    ++generation_;
-    cv_.SignalAll();
-    return;
-  }
-  while (generation_ == gen) cv_.Wait(&mu_);
-}
-
 }  // namespace logitserve

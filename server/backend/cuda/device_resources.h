@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "server/backend/host_barrier.h"
 #include "absl/synchronization/mutex.h"
 
 namespace logitserve {
@@ -72,21 +73,6 @@ class CudaStream {
  private:
   cudaStream_t stream_ = nullptr;
   int device_ = -1;
-};
-
-// Threads of one group meet here; reusable (a generation counter tells rounds apart).
-class HostBarrier {
- public:
-  explicit HostBarrier(int size) : size_(size) {}
-  void Wait();
-  int size() const { return size_; }
-
- private:
-  const int size_;
-  absl::Mutex mu_;
-  absl::CondVar cv_;
-  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace logitserve
