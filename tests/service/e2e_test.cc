@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -189,7 +190,8 @@ TEST_F(ScorerE2eTest, ListHeads) {
   grpc::ClientContext context;
   v1::ListHeadsResponse response;
   ASSERT_TRUE(stub().ListHeads(&context, v1::ListHeadsRequest(), &response).ok());
-  EXPECT_EQ(response.backend(), "cpu");
+  // LOGITSERVE_EXPECT_GPU: the suite runs against a CUDA server on the GPU machine.
+  EXPECT_EQ(response.backend(), std::getenv("LOGITSERVE_EXPECT_GPU") != nullptr ? "cuda" : "cpu");
   EXPECT_EQ(response.max_top_k(), 64u);
   EXPECT_EQ(response.max_tokens_per_request(), 65536);
   EXPECT_GT(response.max_receive_message_bytes(), int64_t{256} << 20);

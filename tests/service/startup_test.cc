@@ -146,16 +146,24 @@ TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
       ServerProcess::Start({"--synthetic-head", big.Flag(), "--drain-seconds", "20"});
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = v1::Scorer::NewStub(Connect((*server)->address()));
-  constexpr int64_t n = 512;
+  // Rows are scaled up until one request computes for at least ~200 ms on this backend (a GPU
+  // is ~100x faster than the CPU), so the signal surely lands while it is in flight.
+  int64_t n = 512;
   v1::ScoreRequest request;
-  request.set_head(big.name);
-  std::vector<float> h(n * big.hidden);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
-  *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
-  request.set_entropy(true);
-  v1::ScoreResponse warm;
-  ASSERT_TRUE(CallScore(*stub, request, &warm).ok());  // connected, and a measure of the cost
-  const absl::Duration compute = absl::Microseconds(warm.compute_us());
+  absl::Duration compute;
+  for (;;) {
+    request.Clear();
+    request.set_head(big.name);
+    std::vector<float> h(static_cast<size_t>(n * big.hidden));
+    for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
+    *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
+    request.set_entropy(true);
+    v1::ScoreResponse warm;
+    ASSERT_TRUE(CallScore(*stub, request, &warm).ok());  // connected, and a measure of the cost
+    compute = absl::Microseconds(warm.compute_us());
+    if (compute >= absl::Milliseconds(200) || n >= 65536) break;
+    n = std::min<int64_t>(65536, n * 4);
+  }
 
   grpc::Status status;
   v1::ScoreResponse response;
@@ -164,12 +172,13 @@ TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
     status = CallScore(*stub, request, &response);
     done.Notify();
   });
-  // Signal while the call is (very likely) being computed: a quarter of its compute time after
-  // sending, so it has arrived but not finished.
-  absl::SleepFor(std::max(absl::Milliseconds(20), compute / 4));
-  ASSERT_FALSE(done.HasBeenNotified()) << "compute too fast for this test: " << compute;
+  // Signal while the call is being computed: a quarter of its compute time after sending, so it
+  // has arrived but not finished.
+  absl::SleepFor(compute / 4);
+  const bool in_flight = !done.HasBeenNotified();
   kill((*server)->pid(), SIGTERM);
   caller.join();
+  EXPECT_TRUE(in_flight) << "the request finished before the signal: " << compute;
   EXPECT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
   EXPECT_EQ(response.entropy_size(), n);
   stub.reset();  // an idle connection would hold the graceful shutdown until its deadline
