@@ -34,6 +34,8 @@
 namespace logitserve::testing {
 namespace {
 
+constexpr double kLogitStd = 3.0;  // realistic spread of LM-head logits
+
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // GPU vs CPU backend, both fp32 with different summation orders and exp/log implementations.
@@ -119,42 +121,6 @@ void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b, co
   }
 }
 
-// Model and reference logits (normal(0, 3)). Row classes by row % 8: even rows' reference is the
-// model plus noise; 5 = same masks on both, 6 = the model masks tokens the reference keeps,
-// 7 = the reference masks tokens the model keeps.
-struct LogitsPair {
-  SharedMatrix model;
-  SharedMatrix reference;
-};
-LogitsPair MakeLogits(std::mt19937_64& rng, FloatType t, int64_t n, int64_t v) {
-  std::vector<float> m = RandomNormal(rng, n * v, 3.0);
-  std::vector<float> r = RandomNormal(rng, n * v, 3.0);
-  const std::vector<float> noise = RandomNormal(rng, n * v, 1.0);
-  for (int64_t row = 0; row < n; ++row) {
-    if (row % 2 == 0) {
-      for (int64_t j = 0; j < v; ++j) r[row * v + j] = m[row * v + j] + noise[row * v + j];
-    }
-    if (v < 2) continue;  // one token: masking would empty the row
-    switch (row % 8) {
-      case 5:
-        MaskRandomTokens(rng, m, v, row, 0.1);
-        for (int64_t j = 0; j < v; ++j) {
-          if (std::isinf(m[row * v + j])) r[row * v + j] = m[row * v + j];
-        }
-        break;
-      case 6:
-        MaskRandomTokens(rng, m, v, row, 0.1);
-        break;
-      case 7:
-        MaskRandomTokens(rng, r, v, row, 0.1);
-        break;
-      default:
-        break;
-    }
-  }
-  return {Share(Encode(t, n, v, m)), Share(Encode(t, n, v, r))};
-}
-
 // ---- (a) agreement -------------------------------------------------------------------------
 
 struct LogitsCase {
@@ -195,7 +161,7 @@ TEST_P(CudaLogits, EveryOpMatchesReferenceAndCpu) {
   const bool big = c.vocab >= 32000;
   for (int64_t n : c.rows) {
     SCOPED_TRACE("N = " + std::to_string(n));
-    const LogitsPair in = MakeLogits(rng, c.dtype, n, c.vocab);
+    const LogitsPair in = MakeLogitsPair(rng, c.dtype, n, c.vocab, kLogitStd);
     const int32_t top = static_cast<int32_t>(std::min<int64_t>(c.vocab, 5));
     std::vector<std::pair<std::string, OwnedJob>> jobs;
     auto pair_job = [&](float tm = 1.0f, float tr = 1.0f) {
@@ -503,7 +469,7 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 TEST(CudaDeterminism, OutputsDoNotDependOnOtherRequestedOutputs) {
   constexpr int64_t kN = 9, kVocab = 32000;
   std::mt19937_64 rng(31);
-  const LogitsPair in = MakeLogits(rng, FloatType::kBFloat16, kN, kVocab);
+  const LogitsPair in = MakeLogitsPair(rng, FloatType::kBFloat16, kN, kVocab, kLogitStd);
   const std::vector<int32_t> ids = RandomTargets(rng, kN, 2, kVocab, -100, 0.2);
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);
@@ -581,9 +547,10 @@ TEST(CudaErrors, OneRankFailingStopsEveryRankAndTheBackendRecovers) {
     j.SetModelLogits(in.model).SetReferenceLogits(in.reference).WithEverything(ids, 2, 3, 0.3f);
     return j;
   };
-  const LogitsPair big = MakeLogits(rng, FloatType::kBFloat16, 4 * kTileRows, kVocab);
+  const LogitsPair big =
+      MakeLogitsPair(rng, FloatType::kBFloat16, 4 * kTileRows, kVocab, kLogitStd);
   const std::vector<int32_t> big_ids = RandomTargets(rng, 4 * kTileRows, 2, kVocab, -100, 0.2);
-  const LogitsPair small = MakeLogits(rng, FloatType::kBFloat16, kTileRows, kVocab);
+  const LogitsPair small = MakeLogitsPair(rng, FloatType::kBFloat16, kTileRows, kVocab, kLogitStd);
   const std::vector<int32_t> small_ids = RandomTargets(rng, kTileRows, 2, kVocab, -100, 0.2);
   const OwnedJob big_job = job_of(big, big_ids);
   const OwnedJob small_job = job_of(small, small_ids);

@@ -94,48 +94,12 @@ class LogitsConformance : public ::testing::TestWithParam<LogitsCase> {
   std::unique_ptr<Backend> backend_;
 };
 
-// Model and reference logits for n rows. Even rows: the reference is the model plus noise (a
-// reference model close to the policy); odd rows: independent. Masks by row % 8: 5 = the same
-// tokens masked in both, 6 = the model masks tokens the reference keeps (forward KL = +inf),
-// 7 = the reference masks tokens the model keeps (reverse KL = +inf); others unmasked.
-struct LogitsPair {
-  SharedMatrix model;
-  SharedMatrix reference;
-};
-LogitsPair MakeLogits(std::mt19937_64& rng, FloatType t, int64_t n, int64_t v) {
-  std::vector<float> m = RandomNormal(rng, n * v, kLogitStd);
-  std::vector<float> r = RandomNormal(rng, n * v, kLogitStd);
-  const std::vector<float> noise = RandomNormal(rng, n * v, 1.0);
-  for (int64_t row = 0; row < n; ++row) {
-    if (row % 2 == 0) {
-      for (int64_t j = 0; j < v; ++j) r[row * v + j] = m[row * v + j] + noise[row * v + j];
-    }
-    switch (row % 8) {
-      case 5:
-        MaskRandomTokens(rng, m, v, row, 0.1);
-        for (int64_t j = 0; j < v; ++j) {
-          if (std::isinf(m[row * v + j])) r[row * v + j] = m[row * v + j];
-        }
-        break;
-      case 6:
-        MaskRandomTokens(rng, m, v, row, 0.1);
-        break;
-      case 7:
-        MaskRandomTokens(rng, r, v, row, 0.1);
-        break;
-      default:
-        break;
-    }
-  }
-  return {Share(Encode(t, n, v, m)), Share(Encode(t, n, v, r))};
-}
-
 TEST_P(LogitsConformance, EveryOpMatchesReference) {
   const LogitsCase& c = GetParam();
   std::mt19937_64 rng(static_cast<uint64_t>(c.vocab) * 31 + static_cast<uint64_t>(c.dtype));
   for (int64_t n : c.rows) {
     SCOPED_TRACE("N = " + std::to_string(n));
-    const LogitsPair in = MakeLogits(rng, c.dtype, n, c.vocab);
+    const LogitsPair in = MakeLogitsPair(rng, c.dtype, n, c.vocab, kLogitStd);
     auto base = [&] {
       OwnedJob j;
       j.SetModelLogits(in.model).SetReferenceLogits(in.reference);
@@ -239,10 +203,10 @@ void PrintTo(const HiddenCase& c, std::ostream* os) {
       << " " << c.transform_name << " V=" << c.vocab;
 }
 
-constexpr int64_t kHiddenVocab = 4097;  // three blocks, the last holding one token
+constexpr int64_t kHiddenVocab = 4097;                   // three blocks, the last holding one token
 const std::vector<int64_t> kHiddenRows = {0, 1, 7, 70};  // 70 rows: more than one 64-row tile
-constexpr int64_t kHidden = 72;         // not a multiple of the SIMD width or GEMM tiles
-constexpr int64_t kRefHidden = 40;      // the reference head has its own hidden size
+constexpr int64_t kHidden = 72;     // not a multiple of the SIMD width or GEMM tiles
+constexpr int64_t kRefHidden = 40;  // the reference head has its own hidden size
 
 std::vector<HiddenCase> HiddenCases() {
   HeadTransform none;

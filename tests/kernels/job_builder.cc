@@ -102,6 +102,34 @@ DistributionInput OwnedJob::Input(std::shared_ptr<const PreparedHead> head, Shar
   return in;
 }
 
+LogitsPair MakeLogitsPair(std::mt19937_64& rng, FloatType t, int64_t n, int64_t v, double stddev) {
+  std::vector<float> m = RandomNormal(rng, n * v, stddev);
+  std::vector<float> r = RandomNormal(rng, n * v, stddev);
+  const std::vector<float> noise = RandomNormal(rng, n * v, 1.0);
+  for (int64_t row = 0; row < n; ++row) {
+    if (row % 2 == 0) {
+      for (int64_t j = 0; j < v; ++j) r[row * v + j] = m[row * v + j] + noise[row * v + j];
+    }
+    switch (row % 8) {
+      case 5:
+        MaskRandomTokens(rng, m, v, row, 0.1);
+        for (int64_t j = 0; j < v; ++j) {
+          if (std::isinf(m[row * v + j])) r[row * v + j] = m[row * v + j];
+        }
+        break;
+      case 6:
+        MaskRandomTokens(rng, m, v, row, 0.1);
+        break;
+      case 7:
+        MaskRandomTokens(rng, r, v, row, 0.1);
+        break;
+      default:
+        break;
+    }
+  }
+  return {Share(Encode(t, n, v, m)), Share(Encode(t, n, v, r))};
+}
+
 OwnedJob& OwnedJob::SetModelLogits(SharedMatrix logits, float temperature, std::string field) {
   job.rows = logits->rows;
   job.vocab = logits->cols;

@@ -63,6 +63,16 @@ std::vector<int32_t> RandomTargets(std::mt19937_64& rng, int64_t rows, int32_t p
 using SharedMatrix = std::shared_ptr<const HostMatrix>;
 SharedMatrix Share(HostMatrix m);
 
+// Model and reference logits for n rows, normal(0, stddev). Even rows: the reference is the model
+// plus normal(0, 1) noise (a reference close to the policy); odd rows: independent. Masks by
+// row % 8: 5 = the same tokens masked in both, 6 = the model masks tokens the reference keeps
+// (forward KL = +inf), 7 = the reference masks tokens the model keeps (reverse KL = +inf).
+struct LogitsPair {
+  SharedMatrix model;
+  SharedMatrix reference;
+};
+LogitsPair MakeLogitsPair(std::mt19937_64& rng, FloatType t, int64_t n, int64_t v, double stddev);
+
 // A ScoreJob plus the buffers its views point into. The buffers are shared and never move, so an
 // OwnedJob may be copied or moved freely; every copy's views stay valid.
 struct OwnedJob {
