@@ -78,16 +78,16 @@ struct ClientOptions {
   std::string load_balancing_policy;
 };
 
-// Per-sequence sums (ScoreRequest.sequence_lengths set); field meanings as in
-// logitserve.v1.SequenceSums. Every value in nats.
-struct SequenceSumsOutput {
+// Per-sequence sums or means (ScoreRequest.sequence_lengths set); field meanings as in
+// logitserve.v1.SequenceStats. Every value in nats.
+struct SequenceStatsOutput {
   std::vector<float> target_logprobs;  // [S * K]
   std::vector<float> entropy;          // [S]
   std::vector<float> reference_entropy;
   std::vector<float> forward_kl;
   std::vector<float> reverse_kl;
   std::vector<float> jsd;
-  std::vector<int64_t> token_count;  // [S] rows counted in each sum
+  std::vector<int64_t> token_count;  // [S] rows counted in each sequence
 };
 
 // A Score result, fields named and laid out as in logitserve.v1.ScoreResponse. A vector is
@@ -105,7 +105,8 @@ struct ScoreOutput {
   std::vector<float> forward_kl;         // [N] KL(q || p)
   std::vector<float> reverse_kl;         // [N] KL(p || q)
   std::vector<float> jsd;                // [N] JSD_beta(p, q)
-  std::optional<SequenceSumsOutput> sequence_sums;
+  std::optional<SequenceStatsOutput> sequence_sums;
+  std::optional<SequenceStatsOutput> sequence_means;  // sums / token_count (NaN when 0)
   uint64_t head_version = 0;  // 0 in logits mode
   uint64_t reference_head_version = 0;
   int64_t queue_us = 0;    // server queue time, summed over chunks

@@ -54,6 +54,18 @@ void Append(std::vector<typename Field::value_type>& dst, const Field& src) {
   dst.insert(dst.end(), src.begin(), src.end());
 }
 
+// Chunks split at sequence boundaries, so a chunk's per-sequence values follow the previous ones.
+void AppendStats(const v1::SequenceStats& in, std::optional<SequenceStatsOutput>& out) {
+  if (!out.has_value()) out.emplace();
+  Append(out->target_logprobs, in.target_logprobs());
+  Append(out->entropy, in.entropy());
+  Append(out->reference_entropy, in.reference_entropy());
+  Append(out->forward_kl, in.forward_kl());
+  Append(out->reverse_kl, in.reverse_kl());
+  Append(out->jsd, in.jsd());
+  Append(out->token_count, in.token_count());
+}
+
 // An array of `actual` elements is either absent (0) or `per_row` per row of the chunk.
 absl::Status CheckSize(absl::string_view field, int64_t actual, int64_t rows, int64_t per_row) {
   if (actual == 0 || actual == rows * per_row) return absl::OkStatus();
@@ -194,18 +206,8 @@ absl::Status AppendChunkResponse(const v1::ScoreResponse& response, const RowChu
   Append(out.forward_kl, response.forward_kl());
   Append(out.reverse_kl, response.reverse_kl());
   Append(out.jsd, response.jsd());
-  if (response.has_sequence_sums()) {
-    const v1::SequenceSums& in = response.sequence_sums();
-    if (!out.sequence_sums.has_value()) out.sequence_sums.emplace();
-    SequenceSumsOutput& sums = *out.sequence_sums;
-    Append(sums.target_logprobs, in.target_logprobs());
-    Append(sums.entropy, in.entropy());
-    Append(sums.reference_entropy, in.reference_entropy());
-    Append(sums.forward_kl, in.forward_kl());
-    Append(sums.reverse_kl, in.reverse_kl());
-    Append(sums.jsd, in.jsd());
-    Append(sums.token_count, in.token_count());
-  }
+  if (response.has_sequence_sums()) AppendStats(response.sequence_sums(), out.sequence_sums);
+  if (response.has_sequence_means()) AppendStats(response.sequence_means(), out.sequence_means);
   out.queue_us += response.queue_us();
   out.compute_us += response.compute_us();
   ++out.chunks;

@@ -6,10 +6,12 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
+  libabsl-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libssl-dev
   libhwy-dev libdnnl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-numpy python3-grpcio libopenblas0-pthread
+  python3 python3-numpy python3-grpcio python3-protobuf python3-pytest python3-pip python3-venv
+  python3-setuptools python3-yaml yamllint libopenblas0-pthread
+  clang-14 libfuzzer-14-dev openssl curl
 )
 
 missing=()

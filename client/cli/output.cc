@@ -115,7 +115,7 @@ std::string FormatScoreTable(const v1::ScoreRequest& request, const ScoreOutput&
   }
 
   if (out.sequence_sums.has_value()) {
-    const SequenceSumsOutput& sums = *out.sequence_sums;
+    const SequenceStatsOutput& sums = *out.sequence_sums;
     s += "# per-sequence sums (rows whose targets are all ignored are not counted), nats\n";
     s += fmt::format("{:>8} {:>7}", "sequence", "tokens");
     std::vector<Column> sum_columns;
@@ -166,16 +166,19 @@ nlohmann::ordered_json ScoreToJson(const ScoreOutput& out) {
   PutArray(j, "forward_kl", out.forward_kl);
   PutArray(j, "reverse_kl", out.reverse_kl);
   PutArray(j, "jsd", out.jsd);
-  if (out.sequence_sums.has_value()) {
-    nlohmann::ordered_json sums = nlohmann::ordered_json::object();
-    PutArray(sums, "target_logprobs", out.sequence_sums->target_logprobs);
-    PutArray(sums, "entropy", out.sequence_sums->entropy);
-    PutArray(sums, "reference_entropy", out.sequence_sums->reference_entropy);
-    PutArray(sums, "forward_kl", out.sequence_sums->forward_kl);
-    PutArray(sums, "reverse_kl", out.sequence_sums->reverse_kl);
-    PutArray(sums, "jsd", out.sequence_sums->jsd);
-    PutArray(sums, "token_count", out.sequence_sums->token_count);
-    j["sequence_sums"] = std::move(sums);
+  for (const auto& [name, stats] : {std::pair{"sequence_sums", &out.sequence_sums},
+                                    std::pair{"sequence_means", &out.sequence_means}}) {
+    if (!stats->has_value()) continue;
+    const SequenceStatsOutput& in = **stats;
+    nlohmann::ordered_json obj = nlohmann::ordered_json::object();
+    PutArray(obj, "target_logprobs", in.target_logprobs);
+    PutArray(obj, "entropy", in.entropy);
+    PutArray(obj, "reference_entropy", in.reference_entropy);
+    PutArray(obj, "forward_kl", in.forward_kl);
+    PutArray(obj, "reverse_kl", in.reverse_kl);
+    PutArray(obj, "jsd", in.jsd);
+    PutArray(obj, "token_count", in.token_count);
+    j[name] = std::move(obj);
   }
   j["head_version"] = out.head_version;
   j["reference_head_version"] = out.reference_head_version;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,11 @@ struct ScoreJob {
   bool forward_kl = false;  // KL(reference || model)
   bool reverse_kl = false;  // KL(model || reference)
   std::optional<float> jsd_beta;
+  // Optional: called before every row tile (on every rank); a non-OK status (CANCELLED,
+  // DEADLINE_EXCEEDED) stops the job on every rank at that tile and Score returns it. The
+  // scheduler uses it so that cancelled or expired work stops launching tiles.
+  std::function<absl::Status()> stop;
+  absl::Status CheckStop() const { return stop ? stop() : absl::OkStatus(); }
   bool NeedsReference() const {
     return reference_entropy || forward_kl || reverse_kl || jsd_beta.has_value();
   }
@@ -108,6 +114,18 @@ class Backend {
       std::shared_ptr<const HeadWeights> weights) = 0;
   // Computes the job. INVALID_ARGUMENT names the field and first row with NaN / +inf logits.
   virtual absl::Status Score(const ScoreJob& job, ScoreResult* result) = 0;
+  // OK while the backend can compute. After a fatal device error (a sticky CUDA error, an NCCL
+  // error, a collective past the watchdog timeout) it returns that error for good: the service
+  // then reports NOT_SERVING, fails in-flight work and the process exits non-zero.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
+  // Device memory per device ("cuda:0", "cpu") for metrics and admission: bytes in use by this
+  // backend and the device total (0 when unknown).
+  struct MemoryInfo {
+    std::string device;
+    int64_t used_bytes = 0;
+    int64_t total_bytes = 0;
+  };
+  virtual std::vector<MemoryInfo> MemoryUsage() const { return {}; }
 };
 
 struct CpuBackendOptions {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "common/safetensors/float_type.h"
 #include "server/heads/float16.h"
+#include "server/heads/hf_checkpoint.h"
 #include "spdlog/spdlog.h"
 
 namespace logitserve {
@@ -78,7 +80,19 @@ void FillSyntheticRows(uint64_t key, int64_t hidden, double scale, FloatType dty
   }
 }
 
-absl::Status CheckShape(absl::string_view name, int64_t vocab, int64_t hidden, FloatType dtype) {
+// Strict decimal: digits only (no sign, no spaces, no base prefix), no overflow.
+bool ParseDecimal(absl::string_view text, uint64_t* value) {
+  if (text.empty() || text.size() > 20) return false;
+  for (char c : text) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return absl::SimpleAtoi(text, value);
+}
+
+}  // namespace
+
+absl::Status ValidateHeadShape(absl::string_view name, int64_t vocab, int64_t hidden,
+                               FloatType dtype) {
   if (vocab < 1 || vocab > kMaxHeadVocab) {
     return absl::InvalidArgumentError(absl::StrCat("head \"", name, "\": vocab size ", vocab,
                                                    " is outside [1, ", kMaxHeadVocab, "]"));
@@ -97,9 +111,7 @@ absl::Status CheckShape(absl::string_view name, int64_t vocab, int64_t hidden, F
   return absl::OkStatus();
 }
 
-// Rejects NaN and +-inf weights at load time: they would make every request on the head fail
-// with a NaN-logit error, so the head is broken, not the requests.
-absl::Status CheckFinite(absl::string_view name, const HeadWeights& head) {
+absl::Status CheckHeadFinite(absl::string_view name, const HeadWeights& head) {
   const int64_t hidden = head.hidden_size;
   for (int64_t row = 0; row < head.vocab_size; ++row) {
     const uint8_t* p = head.weight.data() + row * hidden * kernels::SizeOf(head.dtype);
@@ -127,19 +139,35 @@ absl::Status CheckFinite(absl::string_view name, const HeadWeights& head) {
       }
     }
   }
+  for (size_t j = 0; j < head.bias.size(); ++j) {
+    if (!std::isfinite(head.bias[j])) {
+      return absl::InvalidArgumentError(absl::StrCat("head \"", name, "\": bias [", j, "] is ",
+                                                     head.bias[j], " (must be finite)"));
+    }
+  }
   return absl::OkStatus();
 }
 
-// Strict decimal: digits only (no sign, no spaces, no base prefix), no overflow.
-bool ParseDecimal(absl::string_view text, uint64_t* value) {
-  if (text.empty() || text.size() > 20) return false;
-  for (char c : text) {
-    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+absl::Status ValidateHeadTransform(const HeadTransform& transform) {
+  const auto positive = [](const char* field, float value) {
+    if (std::isfinite(value) && value > 0.0f) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " ", value, " must be finite and > 0 (1 = none)"));
+  };
+  if (absl::Status s = positive("logit_scale", transform.logit_scale); !s.ok()) return s;
+  if (absl::Status s = positive("logits_scaling", transform.logits_scaling); !s.ok()) return s;
+  if (transform.logit_scale != 1.0f && transform.logits_scaling != 1.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logit_scale ", transform.logit_scale, " and logits_scaling ", transform.logits_scaling,
+        " are both set; a head has at most one of them (Cohere multiplies by logit_scale, "
+        "Granite divides by logits_scaling)"));
   }
-  return absl::SimpleAtoi(text, value);
+  if (!(std::isfinite(transform.softcap) && transform.softcap >= 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("final_logit_softcapping ", transform.softcap,
+                                                   " must be finite and >= 0 (0 = none)"));
+  }
+  return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status ValidateHeadName(absl::string_view name) {
   if (name.empty()) return absl::InvalidArgumentError("head name is empty");
@@ -240,7 +268,7 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> MakeSyntheticHead(absl::string_view
                                                                int64_t vocab, int64_t hidden,
                                                                uint64_t seed, FloatType dtype) {
   if (absl::Status s = ValidateHeadName(name); !s.ok()) return s;
-  if (absl::Status s = CheckShape(name, vocab, hidden, dtype); !s.ok()) return s;
+  if (absl::Status s = ValidateHeadShape(name, vocab, hidden, dtype); !s.ok()) return s;
   const auto start = std::chrono::steady_clock::now();
 
   auto head = std::make_shared<HeadWeights>();
@@ -319,7 +347,9 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadSafetensorsHead(absl::string_vi
   }
   const int64_t vocab = tensor.shape[0];
   const int64_t hidden = tensor.shape[1];
-  if (absl::Status s = CheckShape(name, vocab, hidden, *dtype); !s.ok()) return fail(s.message());
+  if (absl::Status s = ValidateHeadShape(name, vocab, hidden, *dtype); !s.ok()) {
+    return fail(s.message());
+  }
 
   auto head = std::make_shared<HeadWeights>();
   head->name = std::string(name);
@@ -328,7 +358,7 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadSafetensorsHead(absl::string_vi
   head->dtype = *dtype;
   head->weight.assign(tensor.data, tensor.data + tensor.bytes);
   head->source = absl::StrCat(path, ":", tensor_name);
-  if (absl::Status s = CheckFinite(name, *head); !s.ok()) return fail(s.message());
+  if (absl::Status s = CheckHeadFinite(name, *head); !s.ok()) return fail(s.message());
 
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -341,7 +371,8 @@ absl::StatusOr<HeadFileSpec> ParseHeadFileSpec(absl::string_view flag) {
   const auto fail = [flag](absl::string_view problem) {
     return absl::InvalidArgumentError(absl::StrCat("--head \"", absl::CHexEscape(flag),
                                                    "\": ", problem,
-                                                   " (expected NAME=FILE.safetensors:TENSOR)"));
+                                                   " (expected NAME=FILE.safetensors:TENSOR or "
+                                                   "NAME=DIR, a Hugging Face model folder)"));
   };
   const size_t eq = flag.find('=');
   if (eq == absl::string_view::npos) return fail("missing '=' after the head name");
@@ -351,9 +382,7 @@ absl::StatusOr<HeadFileSpec> ParseHeadFileSpec(absl::string_view flag) {
   const absl::string_view rest = flag.substr(eq + 1);
   const size_t colon = rest.rfind(':');
   if (colon == absl::string_view::npos) {
-    return fail(
-        "missing ':TENSOR' after the file (Hugging Face model folders are not supported "
-        "by this loader yet)");
+    return fail("missing ':TENSOR' after the file (and it is not a model folder)");
   }
   out.path = std::string(rest.substr(0, colon));
   out.tensor = std::string(rest.substr(colon + 1));
@@ -363,6 +392,16 @@ absl::StatusOr<HeadFileSpec> ParseHeadFileSpec(absl::string_view flag) {
 }
 
 absl::StatusOr<std::shared_ptr<HeadWeights>> ParseHeadFlag(absl::string_view flag) {
+  // A directory is a Hugging Face folder even when its path holds ':' (checked first for that
+  // reason); anything else must be FILE:TENSOR.
+  const size_t eq = flag.find('=');
+  if (eq != absl::string_view::npos) {
+    const std::string path(flag.substr(eq + 1));
+    std::error_code error;
+    if (!path.empty() && std::filesystem::is_directory(path, error)) {
+      return LoadHfHead(flag.substr(0, eq), path);
+    }
+  }
   absl::StatusOr<HeadFileSpec> spec = ParseHeadFileSpec(flag);
   if (!spec.ok()) return spec.status();
   return LoadSafetensorsHead(spec->name, spec->path, spec->tensor);

@@ -5,6 +5,9 @@
 //       weight bits on every machine and build (integer PRNG, no libm transcendental functions).
 //   --head NAME=FILE.safetensors:TENSOR
 //       A 2-D [vocab, hidden] BF16 / F16 / F32 tensor of one safetensors file, copied as is.
+//   --head NAME=DIR
+//       A Hugging Face model folder (config.json + model.safetensors or a sharded
+//       model.safetensors.index.json); see server/heads/hf_checkpoint.h.
 //
 // Every function validates fully and returns InvalidArgument with a message naming the head and
 // the problem; nothing here aborts or throws. The functions are thread-compatible (no shared
@@ -38,6 +41,24 @@ inline constexpr double kSyntheticLogitStd = 3.0;
 
 // OK when `name` is a valid head name: 1..kMaxHeadNameLength characters from [A-Za-z0-9._-].
 absl::Status ValidateHeadName(absl::string_view name);
+
+// OK when a [vocab, hidden] head of `dtype` is within the limits above: vocab in
+// [1, kMaxHeadVocab], hidden in [1, kMaxHeadHidden], weight bytes <= kMaxHeadWeightBytes.
+// InvalidArgument naming head `name`, the size and the limit otherwise.
+absl::Status ValidateHeadShape(absl::string_view name, int64_t vocab, int64_t hidden,
+                               kernels::FloatType dtype);
+
+// OK when the transform is one the backends apply exactly as the fp64 reference does: logit_scale
+// and logits_scaling finite and > 0, at most one of them != 1 (the backends apply a single scale:
+// no Hugging Face model has both), softcap finite and >= 0 (0 = none). InvalidArgument naming the
+// offending field by its Hugging Face name (logit_scale, logits_scaling, final_logit_softcapping).
+absl::Status ValidateHeadTransform(const HeadTransform& transform);
+
+// OK when every weight and every bias value of `head` is finite; InvalidArgument naming head
+// `name` and the first bad element ("weight [row, col] is nan", "bias [j] is inf") otherwise.
+// NaN or +-inf weights would make every request on the head fail, so the head is rejected when
+// loaded. Expects weight.size() == vocab * hidden * SizeOf(dtype) and bias empty or [vocab].
+absl::Status CheckHeadFinite(absl::string_view name, const HeadWeights& head);
 
 // "bf16", "fp16", "fp32": the names of --synthetic-head's dtype= and of logs and test names.
 absl::string_view FloatTypeName(kernels::FloatType type);
@@ -80,7 +101,9 @@ struct HeadFileSpec {
 // the last one). Does not touch the file system.
 absl::StatusOr<HeadFileSpec> ParseHeadFileSpec(absl::string_view flag);
 
-// ParseHeadFileSpec, then LoadSafetensorsHead.
+// A --head flag: "NAME=DIR" when what follows '=' is a directory (a Hugging Face model folder,
+// loaded by LoadHfHead), else "NAME=FILE.safetensors:TENSOR" (ParseHeadFileSpec, then
+// LoadSafetensorsHead).
 absl::StatusOr<std::shared_ptr<HeadWeights>> ParseHeadFlag(absl::string_view flag);
 
 }  // namespace logitserve

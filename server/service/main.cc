@@ -4,7 +4,9 @@
 // report SERVING and print `logitserve listening on HOST:PORT` (one line on stdout, flushed) so
 // scripts and tests learn the port. Any start-up error is logged and exits non-zero before the
 // server listens. SIGTERM / SIGINT: NOT_SERVING, refuse new work, drain in-flight calls within
-// --drain-seconds, exit 0. Logs go to stderr; stdout carries only the listening line.
+// --drain-timeout, exit 0. A fatal device error (Backend::Health): NOT_SERVING, in-flight work
+// fails with UNAVAILABLE, exit 3 so the orchestrator restarts the process. Logs go to stderr;
+// stdout carries only the `logitserve metrics on` and `logitserve listening on` lines.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -15,17 +17,22 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "server/backend/backend.h"
+#include "server/backend/fault_injection.h"
 #if LOGITSERVE_HAVE_CUDA
 #include "server/backend/cuda/cuda_backend.h"
 #endif
 #include "server/heads/head_loader.h"
 #include "server/heads/head_store.h"
+#include "server/service/auth.h"
+#include "server/service/metrics.h"
 #include "server/service/service.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -38,6 +45,7 @@ namespace {
 constexpr int64_t kDefaultMaxReceiveBytes = int64_t{576} << 20;
 constexpr int kExitStartupError = 1;
 constexpr int kExitNoCuda = 2;
+constexpr int kExitDeviceFault = 3;
 constexpr const char* kServiceName = "logitserve.v1.Scorer";
 
 struct Flags {
@@ -48,8 +56,14 @@ struct Flags {
   std::vector<int> devices;
   int threads = 0;
   int shards = 1;
-  int workers = 2;
+  int workers = 1;
   int queue_size = 256;
+  int64_t max_batch_tokens = 8192;
+  int64_t max_queue_delay_us = 0;
+  int64_t memory_budget_bytes = int64_t{4} << 30;
+  int64_t max_head_bytes = int64_t{16} << 30;
+  std::string test_fault;
+  double collective_timeout_s = 60.0;
   int max_top_k = 64;
   int64_t max_tokens_per_request = 65536;
   int max_target_ids_per_row = 1024;
@@ -67,8 +81,10 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--head", f.heads,
-                 "Serve a head from a safetensors tensor: NAME=FILE.safetensors:TENSOR "
-                 "(repeatable)");
+                 "Serve a head: NAME=DIR (a Hugging Face model folder: config.json + "
+                 "model.safetensors or its sharded index; lm_head.weight, or the input "
+                 "embedding when tied; lm_head.bias; softcap / scale from the config) or "
+                 "NAME=FILE.safetensors:TENSOR (repeatable)");
   app.add_option("--synthetic-head", f.synthetic_heads,
                  "Serve a deterministic random head: "
                  "NAME:vocab=V,hidden=H,seed=S[,dtype=bf16|fp16|fp32] (repeatable)");
@@ -82,12 +98,43 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--shards", f.shards, "Vocabulary shards of the CPU backend")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  app.add_option("--workers", f.workers, "Score requests computed concurrently")
+  app.add_option("--workers", f.workers,
+                 "Batches computed concurrently (1 keeps the cores or GPUs for one batch at a "
+                 "time; batching fills it)")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   app.add_option("--queue-size", f.queue_size,
-                 "Score requests waiting for a worker before RESOURCE_EXHAUSTED")
+                 "Score requests waiting for compute before RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--max-batch-tokens", f.max_batch_tokens,
+                 "Most token rows co-batched into one backend job from compatible queued requests "
+                 "(same heads, versions and options); 0 = no co-batching. Results are bitwise "
+                 "the same either way")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--max-queue-delay-us", f.max_queue_delay_us,
+                 "How long the oldest queued request may wait for others to fill its batch "
+                 "(0 = batch what is queued when a worker is free)")
+      ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
+      ->capture_default_str();
+  app.add_option("--memory-budget-bytes", f.memory_budget_bytes,
+                 "Host bytes (request inputs and outputs) admitted at once; a request over the "
+                 "remaining budget is RESOURCE_EXHAUSTED at admission (0 = unlimited)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--max-head-bytes", f.max_head_bytes,
+                 "Largest LoadHead upload (weight + bias bytes); more is RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--test-fault", f.test_fault,
+                 "TESTS ONLY: inject a fault: fatal-after:N (the backend fails fatally after N "
+                 "jobs), slow-tile:MS (sleep before every row tile); CUDA only: "
+                 "skip-collective:RANK, stall:RANK, sticky-error:RANK (a real device fault)");
+  app.add_option("--collective-timeout-s", f.collective_timeout_s,
+                 "CUDA: a GPU wait or NCCL collective taking longer than this is a fatal device "
+                 "error (watchdog: the communicators are aborted, the server exits non-zero)")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--max-top-k", f.max_top_k, "Largest top_k a request may ask for (<= 1024)")
       ->check(CLI::Range(0, 1024))
@@ -105,13 +152,112 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "Largest request message in bytes; more is RESOURCE_EXHAUSTED")
       ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}))
       ->capture_default_str();
-  app.add_option("--drain-seconds", f.drain_seconds,
+  app.add_option("--drain-timeout,--drain-seconds", f.drain_seconds,
                  "On SIGTERM/SIGINT, how long in-flight requests may take to finish")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
+}
+
+// Transport, security, connection-limit and metrics flags (kept apart from Flags: they configure
+// the listening port and the side endpoints, not the scoring).
+struct ServingFlags {
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  std::string auth_token_file;
+  std::string admin_token_file;
+  std::string metrics_listen;
+  // HTTP/2 streams one client connection may have open at once; more wait on the client side.
+  int max_concurrent_streams = 1024;
+  int keepalive_time_ms = 60000;
+  int keepalive_timeout_ms = 20000;
+  int keepalive_min_ping_interval_ms = 10000;
+  int handshake_timeout_ms = 20000;
+};
+
+void AddServingFlags(CLI::App& app, ServingFlags& f) {
+  app.add_option("--tls-cert", f.tls_cert,
+                 "TLS: PEM certificate chain of this server (with --tls-key; neither = plaintext)");
+  app.add_option("--tls-key", f.tls_key, "TLS: PEM private key of --tls-cert (unencrypted)");
+  app.add_option("--tls-client-ca", f.tls_client_ca,
+                 "Mutual TLS: PEM CA certificate(s); every client must present a certificate "
+                 "signed by them (needs --tls-cert/--tls-key)");
+  app.add_option("--auth-token-file", f.auth_token_file,
+                 "File holding the bearer token for Score/ScoreStream/ListHeads (clients send "
+                 "'authorization: Bearer <token>'); unset = no user token. Health checks and "
+                 "reflection stay open for probes");
+  app.add_option("--admin-token-file", f.admin_token_file,
+                 "File holding the bearer token for LoadHead (also accepted on every user RPC); "
+                 "with only --auth-token-file, LoadHead is refused (PERMISSION_DENIED)");
+  app.add_option("--metrics-listen", f.metrics_listen,
+                 "Serve Prometheus metrics at http://HOST:PORT/metrics; port 0 picks a free "
+                 "port (printed on stdout); empty = off")
+      ->capture_default_str();
+  app.add_option("--max-concurrent-streams", f.max_concurrent_streams,
+                 "Concurrent RPCs (HTTP/2 streams) per client connection; more wait client-side")
+      ->check(CLI::Range(1, INT32_MAX))
+      ->capture_default_str();
+  app.add_option("--keepalive-time-ms", f.keepalive_time_ms,
+                 "Ping a client connection idle this long, to detect dead peers")
+      ->check(CLI::Range(1000, INT32_MAX))
+      ->capture_default_str();
+  app.add_option("--keepalive-timeout-ms", f.keepalive_timeout_ms,
+                 "Close a connection whose keepalive ping is unanswered this long")
+      ->check(CLI::Range(1, INT32_MAX))
+      ->capture_default_str();
+  app.add_option("--keepalive-min-ping-interval-ms", f.keepalive_min_ping_interval_ms,
+                 "Shortest interval between client keepalive pings allowed (also without calls); "
+                 "clients pinging more often are disconnected (GOAWAY too_many_pings)")
+      ->check(CLI::Range(1, INT32_MAX))
+      ->capture_default_str();
+  app.add_option("--handshake-timeout-ms", f.handshake_timeout_ms,
+                 "Close a connection that has not finished its HTTP/2 (and TLS) handshake by then")
+      ->check(CLI::Range(1, INT32_MAX))
+      ->capture_default_str();
+}
+
+// The connection limits and keepalive policy of ServingFlags as server channel arguments.
+void ApplyConnectionLimits(const ServingFlags& f, grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, f.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, f.keepalive_time_ms);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, f.keepalive_timeout_ms);
+  // Client pings are welcome as often as the minimum interval, with or without calls in flight
+  // (rollout workers hold idle channels between batches); faster ones count as ping strikes.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             f.keepalive_min_ping_interval_ms);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, f.handshake_timeout_ms);
+}
+
+// Scrape-time gauges: device memory of the backend and the version of every served head.
+// `backend` and `heads` must outlive every scrape (the metrics HTTP server is stopped first).
+void AddGaugeSources(const Backend* backend, const HeadStore* heads, Metrics& metrics) {
+  metrics.AddGaugeSource(
+      "logitserve_device_memory_bytes",
+      "Device memory in bytes: kind=used (held by this server), kind=total (device size).",
+      [backend] {
+        std::vector<Metrics::LabeledValue> values;
+        for (const Backend::MemoryInfo& m : backend->MemoryUsage()) {
+          values.push_back(
+              {{{"device", m.device}, {"kind", "used"}}, static_cast<double>(m.used_bytes)});
+          if (m.total_bytes > 0) {
+            values.push_back(
+                {{{"device", m.device}, {"kind", "total"}}, static_cast<double>(m.total_bytes)});
+          }
+        }
+        return values;
+      });
+  metrics.AddGaugeSource("logitserve_head_version", "Version of each served head.", [heads] {
+    std::vector<Metrics::LabeledValue> values;
+    for (const std::shared_ptr<const PreparedHead>& head : heads->List()) {
+      values.push_back(
+          {{{"head", head->weights().name}}, static_cast<double>(head->weights().version)});
+    }
+    return values;
+  });
 }
 
 // Loads every head named by the flags, prepares it on the backend and adds it to the store.
@@ -151,6 +297,15 @@ absl::Status LoadHeads(const Flags& flags, Backend& backend, HeadStore& store) {
   return absl::OkStatus();
 }
 
+// The --test-fault kinds the CUDA backend injects itself (a real stalled kernel, skipped
+// collective or illegal address); the others wrap any backend (server/backend/fault_injection.h).
+bool IsCudaTestFault(const std::string& spec) {
+  for (const char* kind : {"skip-collective:", "stall:", "sticky-error:"}) {
+    if (spec.rfind(kind, 0) == 0) return true;
+  }
+  return false;
+}
+
 // The backend --backend asks for. `cuda` fails with kExitNoCuda when this build has no CUDA or no
 // usable GPU (compute capability checked against the built architectures: never a kernel launch
 // failure at request time); `auto` falls back to the CPU backend with a warning.
@@ -166,6 +321,8 @@ BackendChoice CreateBackend(const Flags& flags) {
     if (usable.ok()) {
       CudaBackendOptions options;
       options.devices = flags.devices;
+      options.collective_timeout = absl::Seconds(flags.collective_timeout_s);
+      if (IsCudaTestFault(flags.test_fault)) options.test_fault = flags.test_fault;
       return {CreateCudaBackend(options)};
     }
     if (flags.backend == "cuda") {
@@ -189,6 +346,23 @@ BackendChoice CreateBackend(const Flags& flags) {
   return {CreateCpuBackend(options)};
 }
 
+// Raised (once) by the scheduler on a fatal device error; polled by the main loop.
+class FatalSignal {
+ public:
+  void Raise(const absl::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (status_.ok()) status_ = status;
+  }
+  absl::Status status() const {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
 // "HOST" of "HOST:PORT" ("[::1]" stays bracketed).
 std::string HostOf(const std::string& listen) {
   const size_t colon = listen.rfind(':');
@@ -209,6 +383,8 @@ int Run(int argc, char** argv) {
       "gRPC (logitserve.v1.Scorer)"};
   Flags flags;
   AddFlags(app, flags);
+  ServingFlags serving;
+  AddServingFlags(app, serving);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -218,6 +394,22 @@ int Run(int argc, char** argv) {
   auto logger = spdlog::stderr_color_mt("logitserve");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
+
+  // TLS and token files first: a bad file fails in milliseconds, before heads are loaded.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentialsFromFiles(serving.tls_cert, serving.tls_key, serving.tls_client_ca);
+  if (!credentials.ok()) {
+    spdlog::error("{}", std::string(credentials.status().message()));
+    return kExitStartupError;
+  }
+  absl::StatusOr<std::unique_ptr<Authorizer>> authorizer =
+      Authorizer::FromFiles(serving.auth_token_file, serving.admin_token_file);
+  if (!authorizer.ok()) {
+    spdlog::error("{}", std::string(authorizer.status().message()));
+    return kExitStartupError;
+  }
+  if (!(*authorizer)->enabled()) spdlog::warn("no --auth-token-file: every RPC is open");
+  Metrics metrics;  // outlives the service and the metrics HTTP server (declared before both)
 
   if (flags.heads.empty() && flags.synthetic_heads.empty()) {
     spdlog::error("no heads to serve: give at least one --head or --synthetic-head");
@@ -232,6 +424,18 @@ int Run(int argc, char** argv) {
   }
   spdlog::info("backend {}: --threads {} (0 = all cores), --shards {}", (*backend)->name(),
                flags.threads, flags.shards);
+  if (IsCudaTestFault(flags.test_fault) && (*backend)->name() != "cuda") {
+    spdlog::error("--test-fault {} needs the CUDA backend", flags.test_fault);
+    return kExitStartupError;
+  }
+  if (!flags.test_fault.empty() && !IsCudaTestFault(flags.test_fault)) {
+    spdlog::warn("--test-fault {}: injecting faults (tests only)", flags.test_fault);
+    backend = WrapWithTestFault(*std::move(backend), flags.test_fault);
+    if (!backend.ok()) {
+      spdlog::error("{}", std::string(backend.status().message()));
+      return kExitStartupError;
+    }
+  }
 
   HeadStore heads;
   if (absl::Status s = LoadHeads(flags, **backend, heads); !s.ok()) {
@@ -244,15 +448,36 @@ int Run(int argc, char** argv) {
   options.limits.max_tokens_per_request = flags.max_tokens_per_request;
   options.limits.max_target_ids_per_row = flags.max_target_ids_per_row;
   options.max_receive_message_bytes = flags.max_receive_message_bytes;
-  options.workers = flags.workers;
-  options.queue_size = static_cast<size_t>(flags.queue_size);
+  options.max_head_bytes = flags.max_head_bytes;
+  options.scheduler.workers = flags.workers;
+  options.scheduler.queue_size = static_cast<size_t>(flags.queue_size);
+  options.scheduler.max_batch_tokens = flags.max_batch_tokens;
+  options.scheduler.max_queue_delay = std::chrono::microseconds(flags.max_queue_delay_us);
+  options.scheduler.memory_budget_bytes = flags.memory_budget_bytes;
+  // A fatal device error: NOT_SERVING, fail what is in flight, exit non-zero (the main loop).
+  FatalSignal fatal;
+  options.on_fatal = [&fatal](const absl::Status& s) { fatal.Raise(s); };
+  options.authorizer = authorizer->get();
+  options.metrics = &metrics;
+  AddGaugeSources(backend->get(), &heads, metrics);
+  std::unique_ptr<MetricsHttpServer> metrics_http;  // stopped before heads / backend go away
+  if (!serving.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
+        MetricsHttpServer::Start(serving.metrics_listen, &metrics);
+    if (!started.ok()) {
+      spdlog::error("{}", std::string(started.status().message()));
+      return kExitStartupError;
+    }
+    metrics_http = *std::move(started);
+  }
   ScorerService service(backend->get(), &heads, options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.listen, *credentials, &port);
+  ApplyConnectionLimits(serving, builder);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_receive_message_bytes));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -265,19 +490,51 @@ int Run(int argc, char** argv) {
   health->SetServingStatus(kServiceName, true);
   const std::string address = HostOf(flags.listen) + ":" + std::to_string(port);
   spdlog::info("serving {} head(s) on {}", heads.List().size(), address);
+  if (metrics_http != nullptr) {
+    // Before the listening line, so whoever waits for that line knows both ports.
+    std::printf("logitserve metrics on %s:%d\n", HostOf(serving.metrics_listen).c_str(),
+                metrics_http->port());
+  }
   std::printf("logitserve listening on %s\n", address.c_str());
   std::fflush(stdout);
 
+  // Wait for SIGTERM / SIGINT (drain, exit 0) or a fatal device error (exit kExitDeviceFault).
   int signal_number = 0;
-  sigwait(&shutdown_signals, &signal_number);
+  absl::Status fatal_status;
+  const timespec poll_interval{0, 100'000'000};
+  while (true) {
+    siginfo_t info;
+    signal_number = sigtimedwait(&shutdown_signals, &info, &poll_interval);
+    if (signal_number > 0) break;
+    fatal_status = fatal.status();
+    if (!fatal_status.ok()) break;
+  }
+  health->SetServingStatus(false);
+  service.StartDraining();
+  if (!fatal_status.ok()) {
+    // In-flight work fails fast (the scheduler answers UNAVAILABLE once the backend is unhealthy);
+    // a short grace lets those answers go out before the process exits for a restart.
+    spdlog::critical("fatal device error: {}; NOT_SERVING, exiting for a restart",
+                     std::string(fatal_status.message()));
+    health->Shutdown();
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    service.StopWorkers();
+    server->Wait();
+    return kExitDeviceFault;
+  }
   spdlog::info("received {}; draining (up to {} s)",
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT", flags.drain_seconds);
-  health->SetServingStatus(false);
   health->Shutdown();
-  service.StartDraining();
+  // Finish admitted work while still answering new calls ourselves (UNAVAILABLE: retry
+  // elsewhere); grpc::Server::Shutdown would answer them CANCELLED.
+  const auto drain_deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(flags.drain_seconds * 1000));
+  while (service.in_flight() > 0 && std::chrono::system_clock::now() < drain_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   spdlog::debug("shutting the server down");
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(static_cast<int64_t>(flags.drain_seconds * 1000)));
+  server->Shutdown(drain_deadline);
   spdlog::debug("server shut down; stopping workers");
   service.StopWorkers();
   server->Wait();

@@ -1,66 +1,111 @@
 // ScorerService: the logitserve.v1.Scorer RPCs on gRPC's callback API.
 //
-// Score: the handler (on a gRPC thread) validates the request's shapes, ids and options
-// (ValidateScoreRequest), then queues the computation on the service's own bounded WorkerPool and
-// returns the reactor; the worker scans the hidden states for NaN / +-inf
-// (CheckHiddenStatesFinite), runs the backend and finishes the reactor. The request stays alive
-// until Finish, so the job's views into its bytes are valid for the whole computation (zero copy).
-// A full queue answers RESOURCE_EXHAUSTED at once; a call that is cancelled or past its deadline
-// when its turn comes is never computed. ListHeads answers inline (no compute).
+// Score and ScoreStream: the handler (on a gRPC thread) checks the bearer token, validates the
+// request's shapes, ids and options (ValidateScoreRequest) and submits it to the Scheduler (the
+// token-budget batcher), then returns; admission is decided at once (RESOURCE_EXHAUSTED when the
+// queue or memory budget is full). A scheduler worker scans the hidden states for NaN / +-inf
+// (CheckHiddenStatesFinite), runs the (possibly co-batched) backend job and finishes the call. The
+// request stays alive until its result is written, so the job's views into its bytes stay valid
+// (zero copy for requests computed alone). Cancellation and deadlines are checked before launch
+// and before every row tile. ScoreStream keeps up to kMaxInFlightPerStream requests of one stream
+// in flight and answers each with its request_id (a failed request carries status_code /
+// status_message; the stream stays open). ListHeads answers inline; LoadHead (load_head.cc)
+// uploads a head version.
 //
-// Thread safety: the RPC methods are called concurrently by gRPC. StartDraining and StopWorkers
-// are for the shutdown sequence: StartDraining (new Score calls get UNAVAILABLE), then
-// grpc::Server::Shutdown (waits for in-flight calls, which the workers keep finishing), then
-// StopWorkers. The backend and head store must outlive the service.
+// Thread safety: the RPC methods are called concurrently by gRPC. Shutdown: StartDraining (new
+// calls and stream messages get UNAVAILABLE), wait for in_flight() to reach 0 (bounded by the
+// drain timeout; grpc::Server::Shutdown would answer new calls CANCELLED rather than UNAVAILABLE),
+// then grpc::Server::Shutdown, then StopWorkers. The backend and head store must
+// outlive the service.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "server/backend/backend.h"
 #include "server/heads/head_store.h"
+#include "server/scheduler/scheduler.h"
+#include "server/service/auth.h"
 #include "server/service/validate.h"
-#include "server/service/worker_pool.h"
 
 namespace logitserve {
+
+class Metrics;     // server/service/metrics.h
 
 struct ServiceOptions {
   RequestLimits limits;
   // Reported by ListHeads; enforced by the gRPC server itself (ServerBuilder).
   int64_t max_receive_message_bytes = 0;
-  int workers = 2;          // concurrent Score computations
-  size_t queue_size = 256;  // Score calls waiting for a worker before RESOURCE_EXHAUSTED
+  SchedulerOptions scheduler;
+  // Bearer-token checks (nullptr = no auth); must outlive the service.
+  const Authorizer* authorizer = nullptr;
+  // Prometheus metrics sink (nullptr = none); must outlive the service.
+  Metrics* metrics = nullptr;
+  // LoadHead: largest upload (weight + bias bytes) accepted.
+  int64_t max_head_bytes = int64_t{16} << 30;
+  // Called once (from a scheduler worker) when the backend reports a fatal device error; the
+  // server then goes NOT_SERVING and exits non-zero. May be empty.
+  std::function<void(const absl::Status&)> on_fatal;
 };
 
 class ScorerService final : public v1::Scorer::CallbackService {
  public:
-  ScorerService(Backend* backend, const HeadStore* heads, const ServiceOptions& options);
+  ScorerService(Backend* backend, HeadStore* heads, const ServiceOptions& options);
   ~ScorerService() override;
 
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
                                   const v1::ScoreRequest* request,
                                   v1::ScoreResponse* response) override;
+  grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScoreStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
                                       const v1::ListHeadsRequest* request,
                                       v1::ListHeadsResponse* response) override;
+  // Defined in load_head.cc.
+  grpc::ServerReadReactor<v1::LoadHeadChunk>* LoadHead(grpc::CallbackServerContext* context,
+                                                       v1::HeadInfo* response) override;
 
   // From now on, new Score calls fail with UNAVAILABLE; queued and running ones complete.
   void StartDraining();
   // Runs what is queued, then joins the workers. Call after grpc::Server::Shutdown returned.
   void StopWorkers();
+  // Requests admitted and not yet answered (queued or computing).
+  int64_t in_flight() const { return scheduler_.in_flight(); }
+
+  // The description of a head that ListHeads and LoadHead return.
+  static void FillHeadInfo(const HeadWeights& weights, const Backend& backend,
+                           v1::HeadInfo* info);
+
+  // Requests of one ScoreStream computed at once; the stream reads no further until one is done.
+  static constexpr int kMaxInFlightPerStream = 64;
 
  private:
-  struct Call;
-  // Runs on a worker: computes one validated call and finishes its reactor.
-  void Compute(Call& call);
+  class StreamReactor;
+  // What a finished request reports: the status and, when OK, the response fields.
+  using Completion = std::function<void(absl::Status status, const ScoreResult& result,
+                                        const ValidatedRequest& validated,
+                                        const Scheduler::Timing& timing)>;
+
+  absl::Status Authorize(const grpc::CallbackServerContext& context, Role role) const;
+  void RecordRequest(const char* method, const grpc::Status& status);
+  // Validates `request` and submits it; `done` runs exactly once: inline when the request is
+  // refused, else on a scheduler worker. `request` must stay valid until `done` has run.
+  void Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
+              Completion done);
+  // Fills a successful response.
+  static void FillResponse(const v1::ScoreRequest& request, const ValidatedRequest& validated,
+                           const ScoreResult& result, const Scheduler::Timing& timing,
+                           v1::ScoreResponse* out);
 
   Backend* const backend_;
-  const HeadStore* const heads_;
+  HeadStore* const heads_;  // LoadHead replaces heads
   const ServiceOptions options_;
   std::atomic<bool> draining_{false};
-  WorkerPool pool_;
+  Scheduler scheduler_;
 };
 
 }  // namespace logitserve

@@ -384,7 +384,8 @@ TEST(HeadFlagTest, PreciseErrors) {
   ExpectInvalid(error("p=:w"), "empty file path");
   ExpectInvalid(error("p=a.safetensors:"), "empty tensor name");
   EXPECT_THAT(std::string(error("p").message()),
-              HasSubstr("(expected NAME=FILE.safetensors:TENSOR)"));
+              HasSubstr("(expected NAME=FILE.safetensors:TENSOR or NAME=DIR, a Hugging Face "
+                        "model folder)"));
   EXPECT_EQ(ParseHeadFlag("p=" + TempPath("nope.safetensors") + ":w").status().code(),
             absl::StatusCode::kNotFound);
 }

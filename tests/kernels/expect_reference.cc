@@ -384,7 +384,7 @@ void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got) {
 
 void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64_t> lengths,
                                       const ScoreResult& got,
-                                      std::span<const int64_t> token_count) {
+                                      std::span<const int64_t> token_count, bool means) {
   const size_t s_count = lengths.size();
   const size_t k = static_cast<size_t>(std::max(job.ids_per_row, 0));
   const auto expect_size = [&](const char* name, size_t got_size, bool requested, size_t width) {
@@ -452,7 +452,20 @@ void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64
                            int64_t col) {
       if (!requested) return;
       const double tol = sum.tol + (static_cast<double>(count) * 0x1p-53 + kU) * sum.magnitude;
-      rep.Check(std::string("sum of ") + name, Near(value, sum.value, tol), seq, col);
+      if (!means) {
+        rep.Check(std::string("sum of ") + name, Near(value, sum.value, tol), seq, col);
+      } else if (count == 0) {
+        rep.Check(std::string("mean of ") + name,
+                  ::testing::AssertionResult(std::isnan(value))
+                      << "a sequence without counted rows has mean " << value << ", want NaN",
+                  seq, col);
+      } else {
+        // The double sum divided by the count, then rounded to fp32 once more (u |mean|).
+        const double n = static_cast<double>(count);
+        const double mean = sum.value / n;
+        rep.Check(std::string("mean of ") + name,
+                  Near(value, mean, tol / n + kU * (std::abs(mean) + tol / n)), seq, col);
+      }
     };
     for (size_t c = 0; c < k; ++c) {
       check(true, "target_logprobs", got.target_logprobs[s * k + c], target[c],

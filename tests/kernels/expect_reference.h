@@ -87,10 +87,12 @@ void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got);
 // [S], empty when not requested; no top-k); `token_count` [S] holds the rows counted. A row
 // counts unless the job has target ids and every id of the row is ignore_index; an ignored id
 // adds exactly 0. Tolerance: the sum of the counted rows' per-token tolerances above, plus the
-// double accumulation and the final rounding to fp32 of the service's sum.
+// double accumulation and the final rounding to fp32 of the service's sum. With `means`, the
+// values are the per-sequence means (sum / token_count, NaN when no row counts): the same
+// tolerance divided by the count, plus one more fp32 rounding.
 void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64_t> lengths,
                                       const ScoreResult& sums,
-                                      std::span<const int64_t> token_count);
+                                      std::span<const int64_t> token_count, bool means = false);
 
 // Every output of a and b identical bit for bit (sizes included).
 void ExpectBitwiseEqual(const ScoreResult& a, const ScoreResult& b);

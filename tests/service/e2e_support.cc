@@ -42,7 +42,7 @@ std::vector<T> VectorOf(const google::protobuf::RepeatedField<T>& field) {
   return std::vector<T>(field.begin(), field.end());
 }
 
-// The outputs a ScoreResponse and its SequenceSums both carry, under the same field names.
+// The outputs a ScoreResponse and its SequenceStats both carry, under the same field names.
 template <typename Message>
 ScoreResult PerTokenOutputs(const Message& m) {
   ScoreResult r;
@@ -132,6 +132,10 @@ void ExpectOutputsMatchReference(const v1::ScoreRequest& request, const ScoreRes
     const std::vector<int64_t> lengths(request.sequence_lengths().begin(),
                                        request.sequence_lengths().end());
     testing::ExpectSequenceSumsMatchReference(job, lengths, sums->sums, sums->token_count);
+    if (sums->means.has_value()) {
+      testing::ExpectSequenceSumsMatchReference(job, lengths, *sums->means, sums->token_count,
+                                                /*means=*/true);
+    }
   }
 }
 
@@ -155,8 +159,12 @@ void ExpectMatchesReference(const v1::ScoreRequest& request, const v1::ScoreResp
     ExpectOutputsMatchReference(request, got, nullptr, heads);
     return;
   }
+  EXPECT_TRUE(response.has_sequence_means());
+  EXPECT_EQ(VectorOf(response.sequence_means().token_count()),
+            VectorOf(response.sequence_sums().token_count()));
   const SequenceSums sums{PerTokenOutputs(response.sequence_sums()),
-                          VectorOf(response.sequence_sums().token_count())};
+                          VectorOf(response.sequence_sums().token_count()),
+                          PerTokenOutputs(response.sequence_means())};
   ExpectOutputsMatchReference(request, got, &sums, heads);
 }
 

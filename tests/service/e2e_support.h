@@ -10,6 +10,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,7 @@ ScoreJob JobOf(const v1::ScoreRequest& request, const HeadMap& heads);
 struct SequenceSums {
   ScoreResult sums;
   std::vector<int64_t> token_count;
+  std::optional<ScoreResult> means;  // checked when present (token_count as for the sums)
 };
 
 // Checks per-token outputs `got` (and, when the request has sequence_lengths, the per-sequence

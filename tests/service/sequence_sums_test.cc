@@ -30,13 +30,19 @@ TEST(SequenceSumsTest, SumsPerSequenceAndSkipsFullyIgnoredRows) {
   result.target_logprobs = {-1, -2, 0, 0, -3, -4, -5, 0, -6, -7};
   result.entropy = {0.5f, 100.0f, 1.0f, 2.0f, 4.0f};
   result.forward_kl = {1, 1, 1, 1, 1};
-  v1::SequenceSums sums;
+  v1::SequenceStats sums, means;
   const std::vector<int64_t> lengths = {2, 3};
-  ComputeSequenceSums(job, lengths, result, &sums);
+  ComputeSequenceSums(job, lengths, result, &sums, &means);
   EXPECT_THAT(sums.target_logprobs(), ElementsAre(-1.0f, -2.0f, -14.0f, -11.0f));
   EXPECT_THAT(sums.entropy(), ElementsAre(0.5f, 7.0f));
   EXPECT_THAT(sums.forward_kl(), ElementsAre(1.0f, 3.0f));
   EXPECT_THAT(sums.token_count(), ElementsAre(1, 3));
+  // Means divide by the counted rows: sequence 0 counts 1 row, sequence 1 counts 3.
+  EXPECT_THAT(means.target_logprobs(), ElementsAre(-1.0f, -2.0f, -14.0f / 3, -11.0f / 3));
+  EXPECT_THAT(means.entropy(), ElementsAre(0.5f, 7.0f / 3));
+  EXPECT_THAT(means.forward_kl(), ElementsAre(1.0f, 1.0f));
+  EXPECT_THAT(means.token_count(), ElementsAre(1, 3));
+  EXPECT_EQ(means.reverse_kl_size(), 0);
   EXPECT_EQ(sums.reverse_kl_size(), 0);
   EXPECT_EQ(sums.jsd_size(), 0);
   EXPECT_EQ(sums.reference_entropy_size(), 0);
@@ -47,10 +53,15 @@ TEST(SequenceSumsTest, WithoutTargetIdsEveryRowCounts) {
   job.entropy = true;
   ScoreResult result;
   result.entropy = {1, 2, 3};
-  v1::SequenceSums sums;
+  v1::SequenceStats sums, means;
   const std::vector<int64_t> lengths = {0, 3, 0};
-  ComputeSequenceSums(job, lengths, result, &sums);
+  ComputeSequenceSums(job, lengths, result, &sums, &means);
   EXPECT_THAT(sums.entropy(), ElementsAre(0.0f, 6.0f, 0.0f));
+  // An empty sequence has no mean.
+  ASSERT_EQ(means.entropy_size(), 3);
+  EXPECT_TRUE(std::isnan(means.entropy(0)));
+  EXPECT_EQ(means.entropy(1), 2.0f);
+  EXPECT_TRUE(std::isnan(means.entropy(2)));
   EXPECT_THAT(sums.token_count(), ElementsAre(0, 3, 0));
   EXPECT_EQ(sums.target_logprobs_size(), 0);
 }
@@ -64,9 +75,9 @@ TEST(SequenceSumsTest, AccumulatesInDouble) {
   ScoreResult result;
   result.entropy.assign(n, 1.0f + 0x1p-23f);
   result.entropy[0] = 1 << 24;
-  v1::SequenceSums sums;
+  v1::SequenceStats sums, means;
   const std::vector<int64_t> lengths = {n};
-  ComputeSequenceSums(job, lengths, result, &sums);
+  ComputeSequenceSums(job, lengths, result, &sums, &means);
   const double exact = double{1 << 24} + (n - 1) * (1.0 + 0x1p-23);
   EXPECT_EQ(sums.entropy(0), static_cast<float>(exact));
 }
@@ -76,9 +87,9 @@ TEST(SequenceSumsTest, NaNPropagatesToItsSequenceOnly) {
   job.entropy = true;
   ScoreResult result;
   result.entropy = {NAN, 1.0f};
-  v1::SequenceSums sums;
+  v1::SequenceStats sums, means;
   const std::vector<int64_t> lengths = {1, 1};
-  ComputeSequenceSums(job, lengths, result, &sums);
+  ComputeSequenceSums(job, lengths, result, &sums, &means);
   EXPECT_TRUE(std::isnan(sums.entropy(0)));
   EXPECT_EQ(sums.entropy(1), 1.0f);
 }
@@ -87,9 +98,9 @@ TEST(SequenceSumsTest, EmptyRequestGivesZeroSums) {
   ScoreJob job = JobWithIds(0, 1, {});
   job.jsd_beta = 0.5f;
   ScoreResult result;
-  v1::SequenceSums sums;
+  v1::SequenceStats sums, means;
   const std::vector<int64_t> lengths = {0, 0};
-  ComputeSequenceSums(job, lengths, result, &sums);
+  ComputeSequenceSums(job, lengths, result, &sums, &means);
   EXPECT_THAT(sums.jsd(), ElementsAre(0.0f, 0.0f));
   EXPECT_THAT(sums.target_logprobs(), ElementsAre(0.0f, 0.0f));
   EXPECT_THAT(sums.token_count(), ElementsAre(0, 0));

@@ -140,30 +140,21 @@ TEST(ShutdownTest, SigtermAndSigintExitZero) {
 }
 
 TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
-  // A head large enough that one request computes for a while on the CPU backend.
-  const SyntheticHead big{"big", 32000, 256, 5};
-  absl::StatusOr<std::unique_ptr<ServerProcess>> server =
-      ServerProcess::Start({"--synthetic-head", big.Flag(), "--drain-seconds", "20"});
+  // Every row tile sleeps 100 ms first (--test-fault slow-tile), so a request of 10 row tiles of
+  // 64 rows computes for >= 1 s on any backend, however fast: SIGTERM 300 ms after sending lands
+  // while it computes (the 160 KiB request arrives in milliseconds on loopback).
+  const SyntheticHead big{"big", 4096, 128, 5};
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(
+      {"--synthetic-head", big.Flag(), "--drain-timeout", "20", "--test-fault", "slow-tile:100"});
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = v1::Scorer::NewStub(Connect((*server)->address()));
-  // Rows are scaled up until one request computes for at least ~200 ms on this backend (a GPU
-  // is ~100x faster than the CPU), so the signal surely lands while it is in flight.
-  int64_t n = 512;
+  const int64_t n = 640;
   v1::ScoreRequest request;
-  absl::Duration compute;
-  for (;;) {
-    request.Clear();
-    request.set_head(big.name);
-    std::vector<float> h(static_cast<size_t>(n * big.hidden));
-    for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
-    *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
-    request.set_entropy(true);
-    v1::ScoreResponse warm;
-    ASSERT_TRUE(CallScore(*stub, request, &warm).ok());  // connected, and a measure of the cost
-    compute = absl::Microseconds(warm.compute_us());
-    if (compute >= absl::Milliseconds(200) || n >= 65536) break;
-    n = std::min<int64_t>(65536, n * 4);
-  }
+  request.set_head(big.name);
+  std::vector<float> h(static_cast<size_t>(n * big.hidden));
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
+  *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
+  request.set_entropy(true);
 
   grpc::Status status;
   v1::ScoreResponse response;
@@ -172,15 +163,14 @@ TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
     status = CallScore(*stub, request, &response);
     done.Notify();
   });
-  // Signal while the call is being computed: a quarter of its compute time after sending, so it
-  // has arrived but not finished.
-  absl::SleepFor(compute / 4);
+  absl::SleepFor(absl::Milliseconds(300));
   const bool in_flight = !done.HasBeenNotified();
   kill((*server)->pid(), SIGTERM);
   caller.join();
-  EXPECT_TRUE(in_flight) << "the request finished before the signal: " << compute;
+  EXPECT_TRUE(in_flight) << "the request finished before the signal";
   EXPECT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
   EXPECT_EQ(response.entropy_size(), n);
+  EXPECT_GE(response.compute_us(), 1'000'000);  // the slow tiles really ran
   stub.reset();  // an idle connection would hold the graceful shutdown until its deadline
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }

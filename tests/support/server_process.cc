@@ -25,6 +25,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kListeningPrefix[] = "logitserve listening on ";
+constexpr char kMetricsPrefix[] = "logitserve metrics on ";
+
+// Removes the first complete `prefix...` line from `out` and returns what followed the prefix;
+// "" when there is none.
+std::string TakeLine(std::string& out, const char* prefix) {
+  const size_t begin = out.find(prefix);
+  if (begin == std::string::npos) return "";
+  const size_t eol = out.find('\n', begin);
+  if (eol == std::string::npos) return "";
+  const size_t value = begin + std::strlen(prefix);
+  std::string result = out.substr(value, eol - value);
+  out.erase(begin, eol + 1 - begin);
+  return result;
+}
 
 struct Child {
   pid_t pid;
@@ -140,9 +154,11 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       std::string address = out.substr(begin, eol - begin);
       auto server = std::unique_ptr<ServerProcess>(
           new ServerProcess(child->pid, child->fd, std::move(address)));
+      std::string rest = out.substr(0, prefix) + out.substr(eol + 1);
+      server->metrics_address_ = TakeLine(rest, kMetricsPrefix);
       {
         absl::MutexLock lock(&server->mu_);
-        server->output_ = out.substr(0, prefix) + out.substr(eol + 1);
+        server->output_ = std::move(rest);
       }
       server->reader_ = std::thread([s = server.get()] { s->ReadRemainingOutput(); });
       return server;

@@ -1,7 +1,8 @@
 // ServerProcess: runs the real `logitserve` binary as a child process for end-to-end tests.
 //
 // Start() fork/execs the server with `--listen 127.0.0.1:0` plus the caller's arguments, waits
-// (up to 30 s) for its `logitserve listening on HOST:PORT` line on stdout and exposes the address.
+// (up to 30 s) for its `logitserve listening on HOST:PORT` line on stdout and exposes the address
+// (and the metrics address from an earlier `logitserve metrics on HOST:PORT` line, if any).
 // The child's stderr (its logs) goes to the test's stderr; the rest of its stdout is collected by
 // a reader thread. The child is killed when the object is destroyed and when the thread that
 // started it exits (PR_SET_PDEATHSIG: start servers from the test's main thread or a thread that
@@ -54,6 +55,9 @@ class ServerProcess {
 
   // "127.0.0.1:PORT", as printed by the server.
   const std::string& address() const { return address_; }
+  // "HOST:PORT" of the Prometheus endpoint from the server's `logitserve metrics on HOST:PORT`
+  // line (printed before the listening line when --metrics-listen is given); empty otherwise.
+  const std::string& metrics_address() const { return metrics_address_; }
   pid_t pid() const { return pid_; }
 
   // Sends `sig` and waits (up to `timeout`, then SIGKILL) for the exit; returns the exit status
@@ -70,6 +74,7 @@ class ServerProcess {
   const pid_t pid_;
   const int stdout_fd_;
   const std::string address_;
+  std::string metrics_address_;  // set once by Start, before the object is shared
   bool reaped_ = false;
   int exit_code_ = -1;
   std::thread reader_;

@@ -1,0 +1,84 @@
+#include "server/backend/fault_injection.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace logitserve {
+
+namespace {
+
+class FaultInjectingBackend final : public Backend {
+ public:
+  FaultInjectingBackend(std::unique_ptr<Backend> inner, int64_t fatal_after, int64_t slow_tile_ms)
+      : inner_(std::move(inner)), fatal_after_(fatal_after), slow_tile_ms_(slow_tile_ms) {}
+
+  std::string name() const override { return inner_->name(); }
+  std::vector<ShardRange> ShardLayout(int64_t vocab) const override {
+    return inner_->ShardLayout(vocab);
+  }
+  absl::StatusOr<std::shared_ptr<const PreparedHead>> PrepareHead(
+      std::shared_ptr<const HeadWeights> weights) override {
+    return inner_->PrepareHead(std::move(weights));
+  }
+  std::vector<MemoryInfo> MemoryUsage() const override { return inner_->MemoryUsage(); }
+
+  absl::Status Health() const override {
+    absl::MutexLock lock(&mu_);
+    return fatal_.ok() ? inner_->Health() : fatal_;
+  }
+
+  absl::Status Score(const ScoreJob& job, ScoreResult* result) override {
+    if (fatal_after_ >= 0 && calls_.fetch_add(1) >= fatal_after_) {
+      absl::MutexLock lock(&mu_);
+      fatal_ = absl::InternalError("injected fatal device error (--test-fault fatal-after)");
+      return fatal_;
+    }
+    if (slow_tile_ms_ <= 0) return inner_->Score(job, result);
+    ScoreJob slow = job;
+    slow.stop = [&job, ms = slow_tile_ms_] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return job.CheckStop();
+    };
+    return inner_->Score(slow, result);
+  }
+
+ private:
+  const std::unique_ptr<Backend> inner_;
+  const int64_t fatal_after_;  // -1 = never
+  const int64_t slow_tile_ms_;
+  std::atomic<int64_t> calls_{0};
+  mutable absl::Mutex mu_;
+  absl::Status fatal_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> WrapWithTestFault(std::unique_ptr<Backend> backend,
+                                                           const std::string& spec) {
+  const size_t colon = spec.find(':');
+  const absl::string_view kind = absl::string_view(spec).substr(0, colon);
+  int64_t value = -1;
+  if (colon == std::string::npos ||
+      !absl::SimpleAtoi(absl::string_view(spec).substr(colon + 1), &value) || value < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--test-fault '", spec, "': expected fatal-after:N or slow-tile:MS (N, MS >= 0)"));
+  }
+  if (kind == "fatal-after") {
+    return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), value, 0));
+  }
+  if (kind == "slow-tile") {
+    return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), -1, value));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--test-fault '", spec, "': unknown fault '", kind, "' (fatal-after, slow-tile)"));
+}
+
+}  // namespace logitserve

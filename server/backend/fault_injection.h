@@ -1,0 +1,25 @@
+// Test-only fault injection (`logitserve --test-fault SPEC`), so end-to-end tests can drive the
+// server's failure paths for real. A decorator around any Backend:
+//   fatal-after:N   the first N Score calls run normally; every later one fails with INTERNAL and
+//                   Health() reports the fatal error from then on (a stand-in for a sticky device
+//                   error: the server must go NOT_SERVING, fail in-flight work and exit non-zero).
+//   slow-tile:MS    sleeps MS milliseconds before every row tile, so cancellation, deadline and
+//                   drain tests can catch a computation in flight.
+// Never enable it in production: it exists to be tested against.
+//
+// Thread safety: as the wrapped backend.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/backend/backend.h"
+
+namespace logitserve {
+
+// INVALID_ARGUMENT naming --test-fault for a malformed SPEC.
+absl::StatusOr<std::unique_ptr<Backend>> WrapWithTestFault(std::unique_ptr<Backend> backend,
+                                                           const std::string& spec);
+
+}  // namespace logitserve
