@@ -1,0 +1,590 @@
+"""What the sync and asyncio clients share: request building, splitting plans, result objects,
+target parsing and channel options. No I/O here."""
+
+import ipaddress
+import random
+
+import numpy as np
+
+from . import _pb
+from ._errors import InvalidArgument, Internal, error_for
+from ._tensors import float_tensor, id_tensor, slice_rows
+
+# Headroom kept below the server's max_receive_message_bytes for non-row fields and framing.
+MESSAGE_HEADROOM_BYTES = 64 * 1024
+
+_PER_ROW_OUTPUTS = ("entropy", "reference_entropy", "forward_kl", "reverse_kl", "jsd")
+_STATS_FIELDS = ("target_logprobs",) + _PER_ROW_OUTPUTS
+
+SCORE_ARGS = (
+    "head", "hidden", "target_ids", "reference_head", "reference_hidden", "logits",
+    "reference_logits", "entropy", "reference_entropy", "forward_kl", "reverse_kl", "jsd_beta",
+    "top_k", "temperature", "reference_temperature", "ignore_index", "sequence_lengths",
+    "head_version", "reference_head_version", "dtype", "request_id")
+
+
+class Request:
+    """One Score request for score_stream: the keyword arguments of Client.score."""
+
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - set(SCORE_ARGS)
+        if unknown:
+            raise TypeError("unknown Score argument(s): %s" % ", ".join(sorted(unknown)))
+        self.kwargs = kwargs
+
+    @property
+    def request_id(self):
+        return self.kwargs.get("request_id")
+
+
+class _Meta:
+    """What the caller asked for: how to shape the response arrays."""
+
+    __slots__ = ("rows", "ids_shape", "top_k", "outputs", "sequences", "head", "reference_head")
+
+
+class SequenceStats:
+    """Per-sequence sums or means (ScoreResponse.sequence_sums / sequence_means), S sequences.
+
+    target_logprobs [S] (or [S, K] for [N, K] target ids); entropy, reference_entropy, forward_kl,
+    reverse_kl, jsd [S] (None when not requested); token_count [S] int64: rows counted (a row
+    whose target ids are all ignore_index is not counted). Means are NaN where token_count is 0.
+    """
+
+    def __init__(self, **fields):
+        for name in _STATS_FIELDS:
+            setattr(self, name, fields.get(name))
+        self.token_count = fields.get("token_count")
+
+    def __repr__(self):
+        shown = ", ".join("%s=%s" % (n, getattr(self, n)) for n in _STATS_FIELDS + ("token_count",)
+                          if getattr(self, n) is not None)
+        return "SequenceStats(%s)" % shown
+
+
+class ScoreResult:
+    """A Score result; arrays named as in logitserve.v1.ScoreResponse, every value in nats.
+
+    target_logprobs  [N] or [N, K] (as target_ids) log p(id); 0.0 where id == ignore_index
+    top_k_ids        [N, k] int32, descending probability, ties -> smaller id
+    top_k_logprobs   [N, k]
+    entropy          [N] H(p);  reference_entropy [N] H(q)
+    forward_kl       [N] KL(q || p);  reverse_kl [N] KL(p || q);  jsd [N] JSD_beta(p, q)
+    sequence_sums, sequence_means: SequenceStats when sequence_lengths was given
+    head_version, reference_head_version: versions used (0 in logits mode)
+    queue_us, compute_us: server time (summed over chunks); chunks: RPCs used
+    An output not asked for is None. In score_stream, a failed request has `error` set (a
+    LogitserveError) and no arrays; raise_for_error() raises it.
+    """
+
+    _ARRAYS = ("target_logprobs", "top_k_ids", "top_k_logprobs") + _PER_ROW_OUTPUTS
+
+    def __init__(self, request_id=""):
+        self.request_id = request_id
+        for name in self._ARRAYS:
+            setattr(self, name, None)
+        self.sequence_sums = None
+        self.sequence_means = None
+        self.head_version = 0
+        self.reference_head_version = 0
+        self.queue_us = 0
+        self.compute_us = 0
+        self.chunks = 0
+        self.error = None
+
+    @property
+    def ok(self):
+        return self.error is None
+
+    def raise_for_error(self):
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __repr__(self):
+        if self.error is not None:
+            return "ScoreResult(request_id=%r, error=%r)" % (self.request_id, self.error)
+        shown = ["%s%s" % (n, list(getattr(self, n).shape)) for n in self._ARRAYS
+                 if getattr(self, n) is not None]
+        return "ScoreResult(request_id=%r, %s, head_version=%d)" % (
+            self.request_id, ", ".join(shown), self.head_version)
+
+
+class HeadInfo:
+    """A served head (logitserve.v1.HeadInfo); dtype is "bf16", "fp16" or "fp32"; shards is a
+    list of (shard, vocab_begin, vocab_end)."""
+
+    _DTYPE_NAMES = {"FLOAT32": "fp32", "BFLOAT16": "bf16", "FLOAT16": "fp16"}
+
+    def __init__(self, msg):
+        pb2 = _pb.pb2()
+        self.name = msg.name
+        self.vocab_size = msg.vocab_size
+        self.hidden_size = msg.hidden_size
+        self.dtype = self._DTYPE_NAMES.get(pb2.DType.Name(msg.dtype), pb2.DType.Name(msg.dtype))
+        self.version = msg.version
+        self.shards = [(s.shard, s.vocab_begin, s.vocab_end) for s in msg.shards]
+        self.has_bias = msg.has_bias
+        self.logit_scale = msg.logit_scale
+        self.logits_scaling = msg.logits_scaling
+        self.final_logit_softcapping = msg.final_logit_softcapping
+        self.source = msg.source
+
+    def __repr__(self):
+        return "HeadInfo(name=%r, vocab_size=%d, hidden_size=%d, dtype=%s, version=%d)" % (
+            self.name, self.vocab_size, self.hidden_size, self.dtype, self.version)
+
+
+class ServerHeads:
+    """ListHeads: `heads` (list of HeadInfo), `backend`, and the server limits."""
+
+    def __init__(self, msg):
+        self.heads = [HeadInfo(h) for h in msg.heads]
+        self.backend = msg.backend
+        self.max_top_k = msg.max_top_k
+        self.max_tokens_per_request = msg.max_tokens_per_request
+        self.max_receive_message_bytes = msg.max_receive_message_bytes
+
+    def __iter__(self):
+        return iter(self.heads)
+
+    def __len__(self):
+        return len(self.heads)
+
+    def __getitem__(self, name):
+        for h in self.heads:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def __repr__(self):
+        return "ServerHeads(backend=%r, heads=%r)" % (self.backend, self.heads)
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+def build_request(head=None, hidden=None, target_ids=None, reference_head=None,
+                  reference_hidden=None, logits=None, reference_logits=None, entropy=False,
+                  reference_entropy=False, forward_kl=False, reverse_kl=False, jsd_beta=None,
+                  top_k=0, temperature=None, reference_temperature=None, ignore_index=None,
+                  sequence_lengths=None, head_version=None, reference_head_version=None,
+                  dtype=None, request_id=None):
+    """(ScoreRequest, _Meta) from Client.score's arguments. Only encodes: the server validates
+    (its INVALID_ARGUMENT messages name the field and row)."""
+    pb2 = _pb.pb2()
+    r = pb2.ScoreRequest(request_id=request_id or "")
+    meta = _Meta()
+    rows = None
+    if head:
+        r.head = head
+    if hidden is not None:
+        r.hidden.CopyFrom(float_tensor(hidden, dtype, "hidden"))
+        rows = r.hidden.shape[0] if len(r.hidden.shape) else None
+    if logits is not None:
+        r.logits.CopyFrom(float_tensor(logits, dtype, "logits"))
+        if rows is None and len(r.logits.shape):
+            rows = r.logits.shape[0]
+    if reference_head:
+        r.reference_head = reference_head
+    if reference_hidden is not None:
+        r.reference_hidden.CopyFrom(float_tensor(reference_hidden, dtype, "reference_hidden"))
+    if reference_logits is not None:
+        r.reference_logits.CopyFrom(float_tensor(reference_logits, dtype, "reference_logits"))
+    meta.ids_shape = None
+    if target_ids is not None:
+        r.target_ids.CopyFrom(id_tensor(target_ids, "target_ids"))
+        meta.ids_shape = tuple(r.target_ids.shape)
+    if head_version is not None:
+        r.head_version = int(head_version)
+    if reference_head_version is not None:
+        r.reference_head_version = int(reference_head_version)
+    if ignore_index is not None:
+        r.ignore_index = int(ignore_index)
+    r.top_k = int(top_k or 0)
+    r.entropy = bool(entropy)
+    r.reference_entropy = bool(reference_entropy)
+    r.forward_kl = bool(forward_kl)
+    r.reverse_kl = bool(reverse_kl)
+    if jsd_beta is not None:
+        r.jsd_beta = float(jsd_beta)
+    if temperature is not None:
+        r.temperature = float(temperature)
+    if reference_temperature is not None:
+        r.reference_temperature = float(reference_temperature)
+    meta.sequences = None
+    if sequence_lengths is not None:
+        lengths = [int(x) for x in np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)]
+        r.sequence_lengths.extend(lengths)
+        meta.sequences = len(lengths)
+    meta.rows = rows
+    meta.top_k = r.top_k
+    meta.outputs = {"entropy": r.entropy, "reference_entropy": r.reference_entropy,
+                    "forward_kl": r.forward_kl, "reverse_kl": r.reverse_kl,
+                    "jsd": jsd_beta is not None}
+    meta.head = bool(head)
+    meta.reference_head = bool(reference_head)
+    return r, meta
+
+
+def request_from(item, index):
+    """Accepts a Request, a dict of score kwargs or a ready ScoreRequest; gives it a request_id
+    (its index) when it has none."""
+    pb2 = _pb.pb2()
+    if isinstance(item, pb2.ScoreRequest):
+        raise TypeError("score_stream takes logitserve.Request objects or dicts of score() "
+                        "arguments, not raw ScoreRequest messages")
+    kwargs = dict(item.kwargs if isinstance(item, Request) else item)
+    if not kwargs.get("request_id"):
+        kwargs["request_id"] = str(index)
+    return build_request(**kwargs)
+
+
+_ROW_TENSORS = ("hidden", "logits", "reference_hidden", "reference_logits", "target_ids")
+
+
+def _present(r, field):
+    return r.HasField(field)
+
+
+def plan_chunks(request, meta, max_rows, max_bytes):
+    """Chunks (row_begin, row_end, seq_begin, seq_end) of `request`: one chunk when it has at most
+    `max_rows` rows (0 = no limit) and fits in `max_bytes` (0 = no limit); else consecutive chunks
+    cut at row boundaries, or only at sequence boundaries when sequence_lengths is set (a single
+    sequence over the limit is INVALID_ARGUMENT, as in the C++ client)."""
+    n = meta.rows
+    nseq = len(request.sequence_lengths)
+    too_many_rows = bool(max_rows) and n is not None and (n > max_rows or nseq > max_rows)
+    too_big = bool(max_bytes) and request.ByteSize() > max_bytes
+    if n is None or not (too_many_rows or too_big):
+        return [(0, n or 0, 0, nseq)]
+    row_bytes = 0
+    for field in _ROW_TENSORS:
+        if not _present(request, field):
+            continue
+        t = getattr(request, field)
+        if len(t.shape) < 1 or t.shape[0] != n:
+            raise InvalidArgument("%s: first dimension %s differs from the request's %d rows; cannot "
+                                  "split the request" % (field, list(t.shape)[:1] or "(none)", n))
+        if n:
+            row_bytes += len(t.data) // n
+    limit = max_rows if max_rows else n
+    if max_bytes and row_bytes:
+        by_bytes = (max_bytes - MESSAGE_HEADROOM_BYTES) // row_bytes
+        if by_bytes < 1:
+            raise InvalidArgument("one row needs %d bytes, over the server's message limit of %d "
+                                  "bytes" % (row_bytes, max_bytes))
+        limit = min(limit, by_bytes)
+    chunks = []
+    if not nseq:
+        for b in range(0, n, limit):
+            chunks.append((b, min(n, b + limit), 0, 0))
+        return chunks
+    lengths = list(request.sequence_lengths)
+    if any(x < 0 for x in lengths) or sum(lengths) != n:
+        raise InvalidArgument("sequence_lengths: must be >= 0 and sum to the %d rows; cannot split "
+                              "the request" % n)
+    max_entries = max_rows if max_rows else nseq
+    row = seq = 0
+    while seq < nseq:
+        b_row, b_seq = row, seq
+        while seq < nseq and seq - b_seq < max_entries and row - b_row + lengths[seq] <= limit:
+            row += lengths[seq]
+            seq += 1
+        if seq == b_seq:
+            raise InvalidArgument("sequence_lengths[%d] = %d rows exceeds the server's limit of %d rows "
+                                  "per request; a sequence is never split" % (seq, lengths[seq], limit))
+        chunks.append((b_row, row, b_seq, seq))
+    return chunks
+
+
+def chunk_request(request, chunk):
+    """The request restricted to one chunk's rows and sequences."""
+    pb2 = _pb.pb2()
+    r0, r1, s0, s1 = chunk
+    out = pb2.ScoreRequest()
+    out.CopyFrom(request)
+    for field in _ROW_TENSORS:
+        if _present(request, field):
+            getattr(out, field).CopyFrom(slice_rows(getattr(request, field), r0, r1))
+    del out.sequence_lengths[:]
+    out.sequence_lengths.extend(request.sequence_lengths[s0:s1])
+    return out
+
+
+def chunk_error(e, chunk, total_rows, chunks):
+    """The chunk's error, same type, its message saying which rows it concerns (the server's row
+    numbers count from the chunk's first row)."""
+    details = ("rows [%d, %d) of %d (request split into %d chunks by the server's limits; row "
+               "numbers in the message below count from %d): %s" % (
+                   chunk[0], chunk[1], total_rows, chunks, chunk[0], e.details))
+    return type(e)(details, code=e.code)
+
+
+def pin_versions(request, first_response, meta):
+    """Later chunks of a split request run on the versions the first chunk used, so one result
+    never mixes head versions (a swap in between gives FAILED_PRECONDITION)."""
+    if meta.head and not request.HasField("head_version"):
+        request.head_version = first_response.head_version
+    if meta.reference_head and not request.HasField("reference_head_version"):
+        request.reference_head_version = first_response.reference_head_version
+
+
+def _floats(values):
+    return np.asarray(values, dtype=np.float32)
+
+
+def _check(field, values, rows, per_row):
+    if len(values) != rows * per_row:
+        raise Internal("server response field %s has %d values, expected %d" %
+                       (field, len(values), rows * per_row))
+
+
+def assemble(responses, chunks, meta, request_id):
+    """One ScoreResult from the chunks' responses (in chunk order)."""
+    res = ScoreResult(request_id)
+    res.chunks = len(responses)
+    k_ids = None
+    if meta.ids_shape is not None:
+        k_ids = 1 if len(meta.ids_shape) < 2 else int(meta.ids_shape[1])
+    parts = {name: [] for name in ScoreResult._ARRAYS}
+    stats = {"sums": {n: [] for n in _STATS_FIELDS + ("token_count",)},
+             "means": {n: [] for n in _STATS_FIELDS + ("token_count",)}}
+    for resp, (r0, r1, s0, s1) in zip(responses, chunks):
+        rows = r1 - r0
+        if k_ids is not None:
+            _check("target_logprobs", resp.target_logprobs, rows, k_ids)
+            parts["target_logprobs"].append(_floats(resp.target_logprobs))
+        if meta.top_k:
+            _check("top_k_ids", resp.top_k_ids, rows, meta.top_k)
+            _check("top_k_logprobs", resp.top_k_logprobs, rows, meta.top_k)
+            parts["top_k_ids"].append(np.asarray(resp.top_k_ids, dtype=np.int32))
+            parts["top_k_logprobs"].append(_floats(resp.top_k_logprobs))
+        for name in _PER_ROW_OUTPUTS:
+            if meta.outputs[name]:
+                _check(name, getattr(resp, name), rows, 1)
+                parts[name].append(_floats(getattr(resp, name)))
+        if meta.sequences is not None:
+            nseq = s1 - s0
+            for key, msg in (("sums", resp.sequence_sums), ("means", resp.sequence_means)):
+                if len(msg.token_count) != nseq:
+                    raise Internal("server response sequence_%s has %d sequences, expected %d" %
+                                   (key, len(msg.token_count), nseq))
+                stats[key]["token_count"].append(np.asarray(msg.token_count, dtype=np.int64))
+                if k_ids is not None:
+                    _check("sequence_%s.target_logprobs" % key, msg.target_logprobs, nseq, k_ids)
+                    stats[key]["target_logprobs"].append(_floats(msg.target_logprobs))
+                for name in _PER_ROW_OUTPUTS:
+                    if meta.outputs[name]:
+                        _check("sequence_%s.%s" % (key, name), getattr(msg, name), nseq, 1)
+                        stats[key][name].append(_floats(getattr(msg, name)))
+        res.queue_us += resp.queue_us
+        res.compute_us += resp.compute_us
+    first = responses[0] if responses else None
+    if first is not None:
+        res.head_version = first.head_version
+        res.reference_head_version = first.reference_head_version
+    n = meta.rows or 0
+    ids_2d = meta.ids_shape is not None and len(meta.ids_shape) >= 2
+
+    def cat(chunks_list, dtype):
+        return np.concatenate(chunks_list) if chunks_list else np.zeros(0, dtype)
+
+    if k_ids is not None:
+        lp = cat(parts["target_logprobs"], np.float32)
+        res.target_logprobs = lp.reshape(n, k_ids) if ids_2d else lp
+    if meta.top_k:
+        res.top_k_ids = cat(parts["top_k_ids"], np.int32).reshape(n, meta.top_k)
+        res.top_k_logprobs = cat(parts["top_k_logprobs"], np.float32).reshape(n, meta.top_k)
+    for name in _PER_ROW_OUTPUTS:
+        if meta.outputs[name]:
+            setattr(res, name, cat(parts[name], np.float32))
+    if meta.sequences is not None:
+        for key in ("sums", "means"):
+            fields = {"token_count": cat(stats[key]["token_count"], np.int64)}
+            if k_ids is not None:
+                lp = cat(stats[key]["target_logprobs"], np.float32)
+                fields["target_logprobs"] = lp.reshape(meta.sequences, k_ids) if ids_2d else lp
+            for name in _PER_ROW_OUTPUTS:
+                if meta.outputs[name]:
+                    fields[name] = cat(stats[key][name], np.float32)
+            setattr(res, "sequence_" + key, SequenceStats(**fields))
+    return res
+
+
+def stream_result(resp, meta):
+    """A ScoreStream response: the result, or a failed result carrying its typed error."""
+    if resp.status_code:
+        res = ScoreResult(resp.request_id)
+        res.error = error_for(resp.status_code, resp.status_message)
+        return res
+    nseq = meta.sequences or 0
+    return assemble([resp], [(0, meta.rows or 0, 0, nseq)], meta, resp.request_id)
+
+
+# ---- load_head -----------------------------------------------------------------------------
+
+def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_scaling,
+                     final_logit_softcapping, chunk_bytes):
+    """The LoadHeadChunk messages of an upload (spec first, then weight bytes, then bias bytes)."""
+    pb2 = _pb.pb2()
+    w = np.asarray(weight)
+    if w.ndim != 2:
+        raise ValueError("weight: expected a [vocab_size, hidden_size] array, got shape %s" % (w.shape,))
+    wt = float_tensor(w, dtype, "weight")
+    wire = {pb2.BFLOAT16: "bf16", pb2.FLOAT16: "fp16", pb2.FLOAT32: "fp32"}[wt.dtype]
+    bias_bytes = b""
+    if bias is not None:
+        b = np.asarray(bias)
+        if b.shape != (w.shape[0],):
+            raise ValueError("bias: expected shape [%d], got %s" % (w.shape[0], list(b.shape)))
+        if b.dtype == np.uint16 and wire != "bf16":
+            raise ValueError("bias: uint16 bfloat16 bits need a bf16 weight")
+        bias_bytes = float_tensor(b, wire, "bias").data
+    spec = pb2.HeadSpec(name=name, vocab_size=w.shape[0], hidden_size=w.shape[1], dtype=wt.dtype,
+                        version=int(version or 0), has_bias=bias is not None,
+                        logit_scale=float(logit_scale or 0.0),
+                        logits_scaling=float(logits_scaling or 0.0),
+                        final_logit_softcapping=float(final_logit_softcapping or 0.0))
+    step = max(1, int(chunk_bytes))
+    data = wt.data
+    msgs = []
+    first = True
+    for off in range(0, max(len(data), 1), step):
+        m = pb2.LoadHeadChunk(weight_data=data[off:off + step])
+        if first:
+            m.spec.CopyFrom(spec)
+            first = False
+        msgs.append(m)
+    for off in range(0, len(bias_bytes), step):
+        msgs.append(pb2.LoadHeadChunk(bias_data=bias_bytes[off:off + step]))
+    return msgs
+
+
+# ---- channels ------------------------------------------------------------------------------
+
+def _ip_kind(hostport):
+    host = hostport.rsplit(":", 1)[0] if ":" in hostport else hostport
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return "ipv%d" % ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+
+
+def resolve_target(target, load_balancing=None):
+    """(gRPC target string, lb policy or None).
+
+    `target` is "host:port", a gRPC URI ("dns:///name:port", "ipv4:a:p,b:p", "unix:..."), or
+    several IP addresses (a list, or one comma-separated string). Several addresses or a dns:
+    target get round_robin unless load_balancing says otherwise."""
+    if isinstance(target, (list, tuple)):
+        addrs = [str(a).strip() for a in target]
+    elif "," in target and ":" in target and "://" not in target and \
+            not target.startswith(("ipv4:", "ipv6:", "unix:", "dns:")):
+        addrs = [a.strip() for a in target.split(",")]
+    else:
+        addrs = [target]
+    multi = False
+    if len(addrs) > 1:
+        kinds = {_ip_kind(a) for a in addrs}
+        if len(kinds) != 1 or None in kinds:
+            raise ValueError("several addresses must all be IPv4 or all IPv6 literals (host:port); "
+                             "for names use one dns:///name:port target (got %r)" % (target,))
+        target = "%s:%s" % (kinds.pop(), ",".join(addrs))
+        multi = True
+    else:
+        target = addrs[0]
+        multi = target.startswith("dns:") or (target.startswith(("ipv4:", "ipv6:")) and "," in target)
+    policy = load_balancing if load_balancing is not None else ("round_robin" if multi else None)
+    return target, policy
+
+
+def channel_options(lb_policy, initial_backoff, max_backoff, extra=()):
+    opts = [
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", -1),
+        # Reconnect on the retry schedule, so a retry after UNAVAILABLE really tries again.
+        ("grpc.initial_reconnect_backoff_ms", max(1, int(initial_backoff * 1000))),
+        ("grpc.max_reconnect_backoff_ms", max(1, int(max_backoff * 1000))),
+        ("grpc.enable_retries", 0),  # retries are ours (UNAVAILABLE only, with backoff)
+    ]
+    if lb_policy:
+        opts.append(("grpc.lb_policy_name", lb_policy))
+    opts.extend(extra)
+    return opts
+
+
+class Backoff:
+    """Exponential backoff: the k-th retry waits min(initial * multiplier^(k-1), max), less up to
+    20% jitter."""
+
+    def __init__(self, initial, maximum, multiplier):
+        self.next = initial
+        self.maximum = maximum
+        self.multiplier = multiplier
+
+    def step(self):
+        wait = self.next * (1.0 - 0.2 * random.random())
+        self.next = min(self.next * self.multiplier, self.maximum)
+        return wait
+
+
+# ---- grpc.health.v1 without generated stubs ------------------------------------------------
+# HealthCheckRequest { string service = 1; }  HealthCheckResponse { ServingStatus status = 1; }
+# Hand-encoded so that this package never registers grpc/health/v1/health.proto in the protobuf
+# descriptor pool (it would clash with grpcio-health-checking when both are imported).
+
+HEALTH_METHOD = "/grpc.health.v1.Health/Check"
+_SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def health_request_bytes(service):
+    raw = service.encode("utf-8")
+    return b"" if not raw else b"\x0a" + _varint(len(raw)) + raw
+
+
+def health_status_from_bytes(data):
+    status, i = 0, 0
+    while i < len(data):
+        key, i = _read_varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _read_varint(data, i)
+            if field == 1:
+                status = value
+        elif wire == 2:
+            length, i = _read_varint(data, i)
+            i += length
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise Internal("malformed HealthCheckResponse")
+    return _SERVING_STATUS.get(status, "UNKNOWN")
+
+
+def _read_varint(data, i):
+    shift = value = 0
+    while True:
+        if i >= len(data):
+            raise Internal("malformed HealthCheckResponse")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i

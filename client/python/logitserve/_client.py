@@ -1,0 +1,250 @@
+"""The blocking client."""
+
+import threading
+import time
+
+import grpc
+
+from . import _api, _pb
+from ._errors import LogitserveError, from_rpc_error
+
+
+class TlsConfig:
+    """TLS settings. PEM contents (bytes or str): root_certs=None uses the system roots; a client
+    certificate and key (both or neither) enable mutual TLS. TlsConfig.from_files reads paths."""
+
+    def __init__(self, root_certs=None, client_cert=None, client_key=None):
+        if (client_cert is None) != (client_key is None):
+            raise ValueError("TlsConfig: client_cert and client_key must be given together")
+        enc = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731
+        self.root_certs = enc(root_certs)
+        self.client_cert = enc(client_cert)
+        self.client_key = enc(client_key)
+
+    @classmethod
+    def from_files(cls, root_certs=None, client_cert=None, client_key=None):
+        read = lambda p: None if p is None else open(p, "rb").read()  # noqa: E731
+        return cls(read(root_certs), read(client_cert), read(client_key))
+
+    def credentials(self):
+        return grpc.ssl_channel_credentials(root_certificates=self.root_certs,
+                                            private_key=self.client_key,
+                                            certificate_chain=self.client_cert)
+
+
+def _tls_config(tls):
+    if tls is None or tls is False:
+        return None
+    return TlsConfig() if tls is True else tls
+
+
+class _Settings:
+    """Construction arguments shared by Client and AsyncClient."""
+
+    def __init__(self, target, token, admin_token, tls, timeout, max_retries, initial_backoff,
+                 max_backoff, backoff_multiplier, load_balancing, split_requests,
+                 max_rows_per_request, channel_options):
+        if max_retries < 0 or initial_backoff < 0 or max_backoff < initial_backoff or \
+                backoff_multiplier < 1:
+            raise ValueError("need max_retries >= 0, 0 <= initial_backoff <= max_backoff and "
+                             "backoff_multiplier >= 1")
+        self.target, self.lb_policy = _api.resolve_target(target, load_balancing)
+        self.token = token
+        self.admin_token = admin_token
+        self.tls = _tls_config(tls)
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+        self.backoff_multiplier = backoff_multiplier
+        self.split_requests = split_requests
+        self.max_rows_per_request = max_rows_per_request
+        self.options = _api.channel_options(self.lb_policy, initial_backoff, max_backoff,
+                                            channel_options)
+
+    def metadata(self, admin=False):
+        token = self.admin_token if (admin and self.admin_token) else self.token
+        return (("authorization", "Bearer " + token),) if token else ()
+
+    def backoff(self):
+        return _api.Backoff(self.initial_backoff, self.max_backoff, self.backoff_multiplier)
+
+    def limits(self, heads):
+        max_rows = heads.max_tokens_per_request or 0
+        if self.max_rows_per_request:
+            max_rows = min(max_rows, self.max_rows_per_request) if max_rows else self.max_rows_per_request
+        return max_rows, heads.max_receive_message_bytes or 0
+
+
+class Client:
+    """Blocking logitserve client. Thread-safe; one channel.
+
+    Client(target, token=None, tls=None, timeout=60.0, max_retries=4, ...)
+      target         "host:port"; several IP addresses (list or "a:p,b:p"); or a gRPC URI such as
+                     "dns:///name:port". Several addresses and dns: targets use round_robin.
+      token          bearer token sent on every RPC; admin_token (default: token) on load_head
+      tls            None (plaintext), True (system roots) or a TlsConfig
+      timeout        deadline of each RPC attempt, seconds (each chunk of a split request)
+      max_retries    retries after UNAVAILABLE, waiting initial_backoff * multiplier^k (capped at
+                     max_backoff, 20% jitter) in between
+      load_balancing gRPC lb policy name; default round_robin for several addresses, else pick_first
+      split_requests split Score requests over the server's max_tokens_per_request /
+                     max_receive_message_bytes (from ListHeads, fetched once)
+    """
+
+    def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
+                 initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
+                 load_balancing=None, admin_token=None, split_requests=True,
+                 max_rows_per_request=None, channel_options=()):
+        self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
+                            initial_backoff, max_backoff, backoff_multiplier, load_balancing,
+                            split_requests, max_rows_per_request, channel_options)
+        if self._s.tls is not None:
+            self._channel = grpc.secure_channel(self._s.target, self._s.tls.credentials(),
+                                                options=self._s.options)
+        else:
+            self._channel = grpc.insecure_channel(self._s.target, options=self._s.options)
+        self._stub = _pb.pb2_grpc().ScorerStub(self._channel)
+        self._health = self._channel.unary_unary(
+            _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
+            response_deserializer=_api.health_status_from_bytes)
+        self._limits = None
+        self._lock = threading.Lock()
+
+    @property
+    def target(self):
+        return self._s.target
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request, admin=False, timeout=None, retry=True):
+        backoff = self._s.backoff()
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=timeout or self._s.timeout,
+                              metadata=self._s.metadata(admin))
+            except grpc.RpcError as e:
+                if (retry and e.code() == grpc.StatusCode.UNAVAILABLE
+                        and attempt < self._s.max_retries):
+                    attempt += 1
+                    self._wait_before_retry(backoff.step())
+                    continue
+                raise from_rpc_error(e) from None
+
+    def _wait_before_retry(self, seconds):
+        # The sync API drives reconnection only while a call is in progress, so a plain sleep
+        # would leave a failed channel failed: wait inside a wait_for_ready health check, which
+        # connects as soon as the server is back. The rest of the backoff is slept even when it
+        # connects early (a draining server is connected but still answers UNAVAILABLE).
+        deadline = time.monotonic() + seconds
+        if seconds > 0:
+            try:
+                self._health("", timeout=seconds, wait_for_ready=True,
+                             metadata=self._s.metadata())
+            except grpc.RpcError:
+                pass
+        time.sleep(max(0.0, deadline - time.monotonic()))
+
+    def health(self, service=""):
+        """grpc.health.v1 status: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
+        return self._call(self._health, service)
+
+    def list_heads(self):
+        """ServerHeads: the heads (HeadInfo), the backend and the server's limits."""
+        return _api.ServerHeads(self._call(self._stub.ListHeads, _pb.pb2().ListHeadsRequest()))
+
+    def _server_limits(self):
+        with self._lock:
+            if self._limits is None:
+                self._limits = self._s.limits(self.list_heads())
+            return self._limits
+
+    def score(self, head=None, hidden=None, target_ids=None, **kwargs):
+        """Scores N token rows; returns a ScoreResult (numpy arrays named as ScoreResponse).
+
+        Inputs: head + hidden [N, H], or logits [N, V]; reference_head + reference_hidden or
+        reference_logits; target_ids [N] or [N, K] (int); float arrays travel as `dtype`
+        (None = as given: float32 -> fp32, float16 -> fp16, uint16 = bf16 bits; "bf16" rounds to
+        nearest even). Outputs: entropy, reference_entropy, forward_kl (KL(q||p)), reverse_kl
+        (KL(p||q)), jsd_beta, top_k; temperature / reference_temperature; ignore_index (default
+        -100); sequence_lengths; head_version / reference_head_version pins.
+        """
+        request, meta = _api.build_request(head=head, hidden=hidden, target_ids=target_ids, **kwargs)
+        chunks = [(0, meta.rows or 0, 0, len(request.sequence_lengths))]
+        if self._s.split_requests:
+            max_rows, max_bytes = self._server_limits()
+            chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
+        if len(chunks) == 1:
+            return _api.assemble([self._call(self._stub.Score, request)], chunks, meta,
+                                 request.request_id)
+        responses = []
+        for i, chunk in enumerate(chunks):
+            try:
+                responses.append(self._call(self._stub.Score, _api.chunk_request(request, chunk)))
+            except LogitserveError as e:
+                raise _api.chunk_error(e, chunk, meta.rows, len(chunks)) from None
+            if i == 0:
+                _api.pin_versions(request, responses[0], meta)
+        return _api.assemble(responses, chunks, meta, request.request_id)
+
+    def score_stream(self, requests, timeout=None, raise_errors=False):
+        """Sends many requests on one ScoreStream RPC; yields ScoreResults in completion order,
+        each tagged with its request_id (the request's index when it has none).
+
+        `requests`: an iterable of logitserve.Request or dicts of score() arguments (consumed
+        lazily). A request that fails yields a result with `.error` set (or raises it when
+        raise_errors=True); a failure of the stream itself raises. Requests are not split.
+        `timeout` bounds the whole stream (None = no deadline)."""
+        metas = {}
+        used = set()  # request_ids must be unique within one stream
+        failure = []
+
+        def gen():
+            try:
+                for i, item in enumerate(requests):
+                    proto, meta = _api.request_from(item, i)
+                    if proto.request_id in used:
+                        raise ValueError("score_stream: duplicate request_id %r" % proto.request_id)
+                    used.add(proto.request_id)
+                    metas[proto.request_id] = meta
+                    yield proto
+            except Exception as e:  # surfaced on the caller's side below
+                failure.append(e)
+                raise
+
+        call = self._stub.ScoreStream(gen(), timeout=timeout, metadata=self._s.metadata())
+        try:
+            for resp in call:
+                res = _api.stream_result(resp, metas.pop(resp.request_id))
+                if raise_errors:
+                    res.raise_for_error()
+                yield res
+        except grpc.RpcError as e:
+            if failure:
+                raise failure[0] from None
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op once finished; ends the RPC when the caller stops early
+        if failure:
+            raise failure[0]
+
+    def load_head(self, name, weight, version=0, bias=None, dtype=None, logit_scale=0.0,
+                  logits_scaling=0.0, final_logit_softcapping=0.0, chunk_bytes=1 << 20,
+                  timeout=None):
+        """Uploads weight [V, H] (and bias [V]) as a new version of head `name` (LoadHead, admin
+        token); returns the installed HeadInfo. version 0 = current + 1. dtype as in score
+        (None: float32 -> fp32, float16 -> fp16, uint16 = bf16 bits; "bf16" rounds). Retried on
+        UNAVAILABLE only with an explicit version (a repeat cannot install twice)."""
+        msgs = _api.load_head_chunks(name, weight, version, bias, dtype, logit_scale,
+                                     logits_scaling, final_logit_softcapping, chunk_bytes)
+        info = self._call(lambda m, **kw: self._stub.LoadHead(iter(m), **kw), msgs, admin=True,
+                          timeout=timeout, retry=bool(version))
+        return _api.HeadInfo(info)

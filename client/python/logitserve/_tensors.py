@@ -1,0 +1,141 @@
+"""numpy arrays <-> logitserve.v1.Tensor, and exact bfloat16 rounding.
+
+Floating inputs travel as the dtype chosen by `dtype` (None / "bf16" / "fp16" / "fp32"):
+
+  input numpy dtype   dtype=None          dtype="bf16"            dtype="fp16"   dtype="fp32"
+  float32             FLOAT32 as is       round to nearest even   astype(f16)    as is
+  float64             FLOAT32 (RNE)       round to nearest even*  astype(f16)    FLOAT32 (RNE)
+  float16             FLOAT16 as is       exact (f16 -> f32 -> bf16, RNE)  as is  exact widening
+  uint16              BFLOAT16 bit patterns (the convention for bf16 data without a bf16 dtype)
+
+* float64 goes to bf16 through round-to-odd float32, so the result is the correctly rounded bf16 of
+  the float64 value (no double rounding).
+"""
+
+import numpy as np
+
+from . import _pb
+
+_FLOAT_DTYPES = {
+    "bf16": "BFLOAT16", "bfloat16": "BFLOAT16",
+    "fp16": "FLOAT16", "float16": "FLOAT16",
+    "fp32": "FLOAT32", "float32": "FLOAT32",
+}
+
+
+def _pb2():
+    return _pb.pb2()
+
+
+def f32_to_bf16_bits(x):
+    """Round float32 values to bfloat16 (round to nearest, ties to even); returns uint16 bits.
+
+    NaN stays NaN (quiet, sign kept); overflow rounds to +-inf as IEEE rounding does.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    lsb = (bits >> np.uint64(16)) & np.uint64(1)
+    rounded = (bits + np.uint64(0x7FFF) + lsb) >> np.uint64(16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded = np.where(nan, (bits >> np.uint64(16)) | np.uint64(0x0040), rounded)
+    return rounded.astype(np.uint16)
+
+
+def f64_to_f32_round_to_odd(x):
+    """float64 -> float32 rounding to odd: exact values stay; inexact ones truncate toward zero
+    and set the last mantissa bit. Rounding that result to bf16 (16 fewer bits) with
+    round-to-nearest-even gives the correctly rounded bf16 of x."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = x.astype(np.float32)
+        inexact = np.isfinite(x) & (t.astype(np.float64) != x)
+        # Truncate toward zero: step back one ulp when rounding went away from zero.
+        away = inexact & (np.abs(t.astype(np.float64)) > np.abs(x))
+        t = np.where(away, np.nextafter(t, np.float32(0)), t).astype(np.float32)
+    bits = t.view(np.uint32).copy()
+    bits[inexact] |= np.uint32(1)
+    return bits.view(np.float32)
+
+
+def bf16_bits_to_f32(bits):
+    """Exact widening of bfloat16 bit patterns (uint16) to float32."""
+    bits = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def to_bf16_bits(x):
+    """Correctly rounded bfloat16 bit patterns (uint16) of float16/32/64 values (RNE)."""
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        return np.ascontiguousarray(x)
+    if x.dtype == np.float64:
+        return f32_to_bf16_bits(f64_to_f32_round_to_odd(x))
+    return f32_to_bf16_bits(x.astype(np.float32))
+
+
+def _wire_dtype(name, field):
+    key = str(name).lower()
+    if key not in _FLOAT_DTYPES:
+        raise ValueError("%s: dtype must be one of bf16, fp16, fp32 (got %r)" % (field, name))
+    return _FLOAT_DTYPES[key]
+
+
+def float_tensor(array, dtype, field):
+    """A float Tensor from a numpy array (see the module comment for the dtype rules)."""
+    pb2 = _pb2()
+    a = np.asarray(array)
+    if a.dtype == np.uint16:
+        if dtype is not None and _wire_dtype(dtype, field) != "BFLOAT16":
+            raise ValueError("%s: uint16 arrays are bfloat16 bit patterns; dtype must be bf16" % field)
+        wire, data = "BFLOAT16", np.ascontiguousarray(a, dtype="<u2")
+    elif a.dtype.kind == "f":
+        if dtype is None:
+            wire = "FLOAT16" if a.dtype == np.float16 else "FLOAT32"
+        else:
+            wire = _wire_dtype(dtype, field)
+        if wire == "BFLOAT16":
+            data = to_bf16_bits(a).astype("<u2")
+        elif wire == "FLOAT16":
+            data = np.ascontiguousarray(a, dtype="<f2")
+        else:
+            data = np.ascontiguousarray(a, dtype="<f4")
+    else:
+        raise TypeError("%s: expected a float16/float32/float64 array or uint16 bfloat16 bit patterns, "
+                        "got dtype %s" % (field, a.dtype))
+    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(a.shape), data=data.tobytes())
+
+
+def id_tensor(array, field):
+    """An INT32/INT64 Tensor of token ids (Python ints or any integer numpy dtype)."""
+    pb2 = _pb2()
+    a = np.asarray(array)
+    if a.size == 0 and a.dtype.kind not in "iu":
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError("%s: expected integer token ids, got dtype %s" % (field, a.dtype))
+    if a.dtype == np.int32:
+        return pb2.Tensor(dtype=pb2.INT32, shape=list(a.shape), data=np.ascontiguousarray(a, "<i4").tobytes())
+    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
+        raise ValueError("%s: id out of the int64 range" % field)
+    return pb2.Tensor(dtype=pb2.INT64, shape=list(a.shape), data=np.ascontiguousarray(a, "<i8").tobytes())
+
+
+_NUMPY_OF = {"FLOAT32": "<f4", "BFLOAT16": "<u2", "FLOAT16": "<f2", "INT32": "<i4", "INT64": "<i8"}
+
+
+def tensor_to_numpy(t):
+    """Decodes a Tensor (BFLOAT16 comes back as float32, exactly)."""
+    pb2 = _pb2()
+    name = pb2.DType.Name(t.dtype)
+    a = np.frombuffer(t.data, dtype=_NUMPY_OF[name]).reshape(tuple(t.shape))
+    return bf16_bits_to_f32(a) if name == "BFLOAT16" else a.astype(a.dtype.newbyteorder("="))
+
+
+def slice_rows(t, begin, end):
+    """Rows [begin, end) of a row-major Tensor whose first dimension is the row count."""
+    pb2 = _pb2()
+    rows = t.shape[0]
+    row_bytes = len(t.data) // rows if rows else 0
+    return pb2.Tensor(dtype=t.dtype, shape=[end - begin] + list(t.shape[1:]),
+                      data=t.data[begin * row_bytes:end * row_bytes])
