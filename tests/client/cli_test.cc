@@ -140,7 +140,7 @@ ScoreOutput OutputOfJson(const nlohmann::json& j) {
   out.jsd = JsonFloats(j, "jsd");
   if (j.contains("sequence_sums")) {
     const nlohmann::json& js = j["sequence_sums"];
-    SequenceSumsOutput& sums = out.sequence_sums.emplace();
+    SequenceStatsOutput& sums = out.sequence_sums.emplace();
     sums.target_logprobs = JsonFloats(js, "target_logprobs");
     sums.entropy = JsonFloats(js, "entropy");
     sums.reference_entropy = JsonFloats(js, "reference_entropy");

@@ -333,7 +333,7 @@ class ClientSplitTest : public ::testing::Test {
     append(acc.jsd, out->jsd);
     if (out->sequence_sums.has_value()) {
       if (!acc.sequence_sums.has_value()) acc.sequence_sums.emplace();
-      SequenceSumsOutput& sums = *acc.sequence_sums;
+      SequenceStatsOutput& sums = *acc.sequence_sums;
       append(sums.target_logprobs, out->sequence_sums->target_logprobs);
       append(sums.entropy, out->sequence_sums->entropy);
       append(sums.reference_entropy, out->sequence_sums->reference_entropy);
@@ -403,8 +403,8 @@ TEST_F(ClientSplitTest, SplitsOnlyAtSequenceBoundaries) {
   ScoreUnsplit(5, 9, {4}, by_chunk);
   ScoreUnsplit(9, 13, {4}, by_chunk);
   ExpectSameBits(*out, by_chunk);
-  const SequenceSumsOutput& split = *out->sequence_sums;
-  const SequenceSumsOutput& chunked = *by_chunk.sequence_sums;
+  const SequenceStatsOutput& split = *out->sequence_sums;
+  const SequenceStatsOutput& chunked = *by_chunk.sequence_sums;
   EXPECT_EQ(Bits(split.target_logprobs), Bits(chunked.target_logprobs));
   EXPECT_EQ(Bits(split.entropy), Bits(chunked.entropy));
   EXPECT_EQ(Bits(split.reference_entropy), Bits(chunked.reference_entropy));

@@ -8,7 +8,7 @@ namespace logitserve::client::testing {
 
 namespace {
 
-// The per-token outputs ScoreOutput and SequenceSumsOutput both hold, under the same names.
+// The per-token outputs ScoreOutput and SequenceStatsOutput both hold, under the same names.
 template <typename Outputs>
 ScoreResult PerTokenOutputs(const Outputs& o) {
   ScoreResult r;
