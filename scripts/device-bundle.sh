@@ -27,7 +27,7 @@ CUDA_ARCHS=${CUDA_ARCHS:-90}
 JOBS=${JOBS:-$(nproc)}
 BUNDLE=$ROOT/.bundle
 
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_EXTRA_ARGS:-} \
   -DLOGITSERVE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS"
 
 # Targets: the server, the CLI, every GPU test, the CUDA benchmark (when bench/CMakeLists.txt adds
@@ -35,7 +35,9 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 available=$(cmake --build "$BUILD_DIR" --target help | sed -n 's/^\([A-Za-z0-9_.+-]*\): .*/\1/p')
 wanted=(logitserve logitserve-cli cuda_kernels_test cuda_backend_test
         cuda_backend_conformance_test cuda_backend_edge_cases_test cuda_backend_determinism_test
-        logitserve-kernel-bench)
+        cuda_fault_test cuda_sticky_fault_test watchdog_test logitserve-kernel-bench
+        cuda_server_fault_test service_e2e_test serving_e2e_test load_head_e2e_test
+        client_e2e_test logitserve-bench logitserve-rpc-bench)
 targets=()
 for t in "${wanted[@]}"; do
   if grep -qx "$t" <<<"$available"; then targets+=("$t"); else echo "device-bundle: no target $t (skipped)"; fi
@@ -68,7 +70,9 @@ cat >"$BUNDLE/bin/run-gpu.sh" <<'EOF'
 # Runs logitserve's GPU checks on the GPU machine; logs go to $OUT (default ./gpu-logs), at most
 # eight files (the device tool returns eight): summary.txt, tests.log, sanitizer.log, bench.log,
 # kernel_bench.json, torch_baseline.json, nvidia-smi.txt.
-#   run-gpu.sh [PHASE...]   phases: tests sanitizer bench torch, or all (the default: every phase)
+#   run-gpu.sh [PHASE...]   phases: tests sanitizer e2e bench torch, or all (the default: every
+#                           phase). e2e: the service's end-to-end suites against the real server
+#                           on the CUDA backend, and the server under injected device faults.
 # Each step has a time limit (STEP_TIMEOUT, default 240 s; TORCH_TIMEOUT 300 s). `tests sanitizer`
 # and `bench torch` each take a few minutes; `all` may exceed a 10-minute call.
 set -uo pipefail
@@ -91,7 +95,7 @@ step() {  # step LOG NAME COMMAND...: appends to LOG; one line per step (+ faile
   timeout "$STEP_TIMEOUT" "$@" >>"$log" 2>&1
   rc=$?
   result=$(tail -n +"$start" "$log" |
-    grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|#wrong total|ERROR SUMMARY|every GPU test is skipped' |
+    grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \] [0-9]+ test|#wrong total|ERROR SUMMARY|every GPU test is skipped' |
     sort -u | tr '\n' ' ' | cut -c1-160)
   printf '%-30s rc=%-3d %4ds  %s\n' "$name" "$rc" $((SECONDS - t0)) "$result" | tee -a "$summary"
   tail -n +"$start" "$log" | grep -E '^\[  FAILED  \] [A-Za-z]' | sort -u | head -20 |
@@ -104,9 +108,19 @@ want() { [[ $phases == *" all "* || $phases == *" $1 "* ]]; }
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 ldd "$here/bin/cuda_backend_test" >>"$out/nvidia-smi.txt" 2>&1 || true
 if want tests; then
-  for t in cuda_kernels_test cuda_backend_test cuda_backend_conformance_test \
-           cuda_backend_edge_cases_test cuda_backend_determinism_test; do
+  # cuda_sticky_fault_test last: its sticky error is confined to its own process, but it is the
+  # one test that deliberately faults the GPU.
+  for t in watchdog_test cuda_kernels_test cuda_backend_test cuda_backend_conformance_test \
+           cuda_backend_edge_cases_test cuda_backend_determinism_test cuda_fault_test \
+           cuda_sticky_fault_test; do
     [ -x "$here/bin/$t" ] && step "$out/tests.log" "$t" "$here/bin/$t"
+  done
+fi
+if want e2e; then
+  export LOGITSERVE_SERVER_BINARY="$here/bin/logitserve" LOGITSERVE_EXPECT_GPU=1
+  for t in cuda_server_fault_test service_e2e_test serving_e2e_test load_head_e2e_test \
+           client_e2e_test; do
+    [ -x "$here/bin/$t" ] && step "$out/e2e.log" "$t" "$here/bin/$t"
   done
 fi
 if want sanitizer; then

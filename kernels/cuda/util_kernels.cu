@@ -79,7 +79,30 @@ __global__ void __launch_bounds__(kFloorThreads)
   if ((threadIdx.x & 31) == 0) atomicXor(sink + blockIdx.x, acc);
 }
 
+__global__ void StallKernel(uint64_t nanoseconds) {
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start >= nanoseconds) break;
+    __nanosleep(1000);
+  }
+}
+
+__global__ void IllegalStoreKernel(int* target) { *reinterpret_cast<volatile int*>(target) = 1; }
+
 }  // namespace
+
+cudaError_t LaunchTestStall(uint64_t nanoseconds, cudaStream_t stream) {
+  StallKernel<<<1, 1, 0, stream>>>(nanoseconds);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTestIllegalStore(int* target, cudaStream_t stream) {
+  IllegalStoreKernel<<<1, 1, 0, stream>>>(target);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchSplitToBf16(FloatType type, const void* src, int64_t src_ld, int64_t rows,
                               int64_t cols, int parts, uint16_t* dst, int64_t dst_rows,

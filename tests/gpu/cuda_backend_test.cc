@@ -8,12 +8,14 @@
 //     one GPU vs a virtual three-shard layout with an empty shard vs two GPUs (skipped, with a
 //     message, when fewer are visible); hidden states given as fp32 / bf16 / fp16 with equal
 //     values; logits resident on the device (read in place) vs host logits.
-//   Errors: NaN / +inf messages are the CPU backend's, word for word.
+//   Errors: NaN / +inf messages are the CPU backend's, word for word; one rank failing or a stop
+//     (cancelled / expired) ends the job on every rank at the same tile, and the backend recovers.
 #include "server/backend/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,10 +24,12 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "server/backend/backend.h"
+#include "server/backend/cuda/cuda_tile_gemm.h"
 #include "tests/gpu/cuda_factories.h"
 #include "tests/gpu/gpu_test_env.h"
 #include "tests/kernels/expect_reference.h"
@@ -37,6 +41,8 @@ namespace {
 constexpr double kLogitStd = 3.0;  // realistic spread of LM-head logits
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+int64_t RoundUpTo8(int64_t x) { return (x + 7) / 8 * 8; }
 
 // GPU vs CPU backend, both fp32 with different summation orders and exp/log implementations.
 // Each is within the reference's tolerance of the exact value (checked separately), and for the
@@ -465,6 +471,96 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
   }
 }
 
+// Hidden states in pageable host memory (staged through pinned buffers), in pinned host memory
+// and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
+// (the GEMMs fill two alternating logits tiles on their own stream without one, keep every chunk
+// of the row tile with one). V = 20000: three GEMM chunks per row tile, so a tile reuses a logits
+// slot; N = 1100: three row tiles, so slots and pinned buffers are reused across tiles.
+TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
+  constexpr int64_t kVocab = 20000, kH = 96, kN = 1100;
+  std::mt19937_64 rng(47);
+  const auto model_w = RandomHead(rng, kVocab, kH, FloatType::kBFloat16, 3.0 / std::sqrt(96.0),
+                                  true, HeadTransform{});
+  const auto ref_w = RandomHead(rng, kVocab, kH, FloatType::kBFloat16, 3.0 / std::sqrt(96.0), false,
+                                HeadTransform{});
+  const HostMatrix hm = Encode(FloatType::kBFloat16, kN, kH, RandomNormal(rng, kN * kH, 1.0));
+  const HostMatrix hr = Encode(FloatType::kBFloat16, kN, kH, RandomNormal(rng, kN * kH, 1.0));
+  const std::vector<int32_t> ids = RandomTargets(rng, kN, 2, kVocab, -100, 0.2);
+  const size_t bytes = hm.bytes.size();
+  std::vector<BackendFactory> layouts = {CudaDevicesFactory("one_gpu", {0})};
+  if (VisibleCudaDevices() >= 2) layouts.push_back(CudaDevicesFactory("two_gpus", {0, 1}));
+  void* pinned_m = nullptr;
+  void* pinned_r = nullptr;
+  void* dev_m = nullptr;
+  void* dev_r = nullptr;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&pinned_m, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&pinned_r, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dev_m, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dev_r, bytes), cudaSuccess);
+  std::memcpy(pinned_m, hm.bytes.data(), bytes);
+  std::memcpy(pinned_r, hr.bytes.data(), bytes);
+  ASSERT_EQ(cudaMemcpy(dev_m, hm.bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev_r, hr.bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  for (bool jsd : {false, true}) {
+    SCOPED_TRACE(jsd ? "with a JSD pass" : "without a JSD pass");
+    std::unique_ptr<ScoreResult> baseline;
+    for (const BackendFactory& f : layouts) {
+      SCOPED_TRACE(f.name);
+      std::unique_ptr<Backend> b = MustCreate(f);
+      ASSERT_NE(b, nullptr);
+      absl::StatusOr<std::shared_ptr<const PreparedHead>> model = b->PrepareHead(model_w);
+      absl::StatusOr<std::shared_ptr<const PreparedHead>> ref = b->PrepareHead(ref_w);
+      ASSERT_TRUE(model.ok()) << model.status();
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      OwnedJob j;
+      j.SetModelHidden(*model, Share(hm)).SetReferenceHidden(*ref, Share(hr));
+      if (jsd) {
+        j.WithEverything(ids, 2, 3, 0.3f);
+      } else {
+        j.WithTargets(ids, 2)
+            .WithTopK(3)
+            .WithEntropy()
+            .WithReferenceEntropy()
+            .WithForwardKl()
+            .WithReverseKl();
+      }
+      LOGITSERVE_ASSERT_SCORE(pageable, *b, j.job);
+      if (baseline == nullptr) {
+        // Rows on either side of the tile boundaries against the fp64 reference.
+        for (int64_t r : {int64_t{0}, int64_t{511}, int64_t{512}, int64_t{1023}, kN - 1}) {
+          SCOPED_TRACE("row " + std::to_string(r));
+          ScoreJob row = j.job;
+          row.rows = 1;
+          row.model.hidden.rows = row.reference.hidden.rows = 1;
+          row.model.hidden.data = hm.bytes.data() + r * kH * 2;
+          row.reference.hidden.data = hr.bytes.data() + r * kH * 2;
+          row.target_ids.assign(ids.begin() + r * 2, ids.begin() + r * 2 + 2);
+          LOGITSERVE_ASSERT_SCORE(alone, *b, row);
+          ExpectMatchesReference(row, alone);
+          ExpectRowBitwiseEqual(alone, 0, pageable, r, 2, 3);
+        }
+        baseline = std::make_unique<ScoreResult>(pageable);
+      } else {
+        ExpectBitwiseEqual(pageable, *baseline);
+      }
+      for (auto [name, m, r] : {std::tuple<const char*, void*, void*>{"pinned", pinned_m, pinned_r},
+                                {"on GPU 0", dev_m, dev_r}}) {
+        SCOPED_TRACE(name);
+        ScoreJob moved = j.job;
+        moved.model.hidden.data = m;
+        moved.reference.hidden.data = r;
+        LOGITSERVE_ASSERT_SCORE(got, *b, moved);
+        ExpectBitwiseEqual(got, *baseline);
+      }
+    }
+  }
+  cudaFreeHost(pinned_m);
+  cudaFreeHost(pinned_r);
+  cudaFree(dev_m);
+  cudaFree(dev_r);
+}
+
 // A job that asks for one output gets the bits of a job that asks for all of them.
 TEST(CudaDeterminism, OutputsDoNotDependOnOtherRequestedOutputs) {
   constexpr int64_t kN = 9, kVocab = 32000;
@@ -584,6 +680,115 @@ TEST(CudaErrors, OneRankFailingStopsEveryRankAndTheBackendRecovers) {
         LOGITSERVE_ASSERT_SCORE(after, **b, small_job.job);
         ExpectBitwiseEqual(after, expected);
       }
+    }
+  }
+}
+
+// A stop (job.stop turning CANCELLED or DEADLINE_EXCEEDED) is checked before every row tile on
+// every rank: the job ends at that tile on every rank with the stop's own status (not ABORTED),
+// no later tile starts (the callback is called exactly once per tile per rank up to the stopping
+// tile), and the backend then serves the next job with the bits it gave before. One rank (one
+// GPU) and two ranks (two GPUs through NCCL when visible, else two shards on GPU 0); logits mode
+// with a JSD pass (two checkpoints per tile) and hidden mode.
+TEST(CudaErrors, StopBeforeARowTileEndsTheJobOnEveryRankAndTheBackendRecovers) {
+  constexpr int64_t kVocab = 5000;  // two shards: [0, 2048) and [2048, 5000)
+  constexpr int64_t kTileRows = 4, kTiles = 4;
+  constexpr int64_t kHidden = 64, kHiddenRows = 3 * kCudaRowTile - 100;  // 3 tiles
+  std::mt19937_64 rng(43);
+  const LogitsPair big =
+      MakeLogitsPair(rng, FloatType::kBFloat16, kTiles * kTileRows, kVocab, kLogitStd);
+  const std::vector<int32_t> big_ids = RandomTargets(rng, kTiles * kTileRows, 2, kVocab, -100, 0.2);
+  const LogitsPair small = MakeLogitsPair(rng, FloatType::kBFloat16, kTileRows, kVocab, kLogitStd);
+  const std::vector<int32_t> small_ids = RandomTargets(rng, kTileRows, 2, kVocab, -100, 0.2);
+  const auto head_w =
+      RandomHead(rng, kVocab, kHidden, FloatType::kBFloat16, 3.0 / 8.0, false, HeadTransform{});
+  const SharedMatrix hidden = Share(Encode(FloatType::kBFloat16, kHiddenRows, kHidden,
+                                           RandomNormal(rng, kHiddenRows * kHidden, 1.0)));
+  const std::vector<int32_t> hidden_ids = RandomTargets(rng, kHiddenRows, 1, kVocab, -100, 0.2);
+  OwnedJob small_job;
+  small_job.SetModelLogits(small.model)
+      .SetReferenceLogits(small.reference)
+      .WithEverything(small_ids, 2, 3, 0.3f);
+
+  struct Config {
+    std::string name;
+    int shards;
+    std::vector<int> devices;
+    int64_t widest;  // ids in the widest shard
+  };
+  std::vector<Config> configs = {{"one_gpu", 1, {0}, kVocab}};
+  if (VisibleCudaDevices() >= 2) {
+    configs.push_back({"two_gpus_nccl", 2, {0, 1}, 2952});
+  } else {
+    configs.push_back({"two_shards_one_gpu", 2, {0}, 2952});
+  }
+  for (const Config& c : configs) {
+    SCOPED_TRACE(c.name);
+    CudaBackendOptions o;
+    o.shards = c.shards;
+    o.devices = c.devices;
+    // Staging for exactly kTileRows rows of the widest shard (ids rounded up to 8) of two bf16
+    // distributions: kTiles tiles.
+    o.logits_staging_bytes = static_cast<size_t>(kTileRows * RoundUpTo8(c.widest) * 2 * 2);
+    absl::StatusOr<std::unique_ptr<Backend>> made = CreateCudaBackend(o);
+    ASSERT_TRUE(made.ok()) << made.status();
+    Backend& b = **made;
+    absl::StatusOr<std::shared_ptr<const PreparedHead>> head = b.PrepareHead(head_w);
+    ASSERT_TRUE(head.ok()) << head.status();
+    LOGITSERVE_ASSERT_SCORE(expected, b, small_job.job);
+
+    struct Workload {
+      std::string name;
+      OwnedJob job;
+      int64_t tiles;
+    };
+    std::vector<Workload> workloads;
+    {
+      OwnedJob j;
+      j.SetModelLogits(big.model)
+          .SetReferenceLogits(big.reference)
+          .WithEverything(big_ids, 2, 3, 0.3f);
+      workloads.push_back({"logits_with_jsd", j, kTiles});
+      OwnedJob h;
+      h.SetModelHidden(*head, hidden).WithTargets(hidden_ids, 1).WithTopK(2).WithEntropy();
+      workloads.push_back({"hidden", h, 3});
+    }
+    for (Workload& w : workloads) {
+      SCOPED_TRACE(w.name);
+      // Not stopped: one call per tile per rank, before it.
+      {
+        std::atomic<int64_t> calls{0};
+        w.job.job.stop = [&calls]() {
+          ++calls;
+          return absl::OkStatus();
+        };
+        const absl::StatusOr<ScoreResult> done = RunJob(b, w.job.job);
+        ASSERT_TRUE(done.ok()) << done.status();
+        EXPECT_EQ(calls.load(), w.tiles * c.shards);
+      }
+      for (int64_t k : {int64_t{0}, int64_t{1}, w.tiles - 1}) {
+        for (absl::StatusCode code :
+             {absl::StatusCode::kCancelled, absl::StatusCode::kDeadlineExceeded}) {
+          SCOPED_TRACE("stop at tile " + std::to_string(k) + " with " +
+                       absl::StatusCodeToString(code));
+          std::atomic<int64_t> calls{0};
+          const int64_t ok_calls = k * c.shards;
+          w.job.job.stop = [&calls, ok_calls, code]() {
+            return ++calls > ok_calls ? absl::Status(code, "stopped by the test")
+                                      : absl::OkStatus();
+          };
+          const absl::StatusOr<ScoreResult> stopped = RunJob(b, w.job.job);
+          ASSERT_FALSE(stopped.ok());
+          EXPECT_EQ(stopped.status().code(), code) << stopped.status();
+          EXPECT_EQ(stopped.status().message(), "stopped by the test");
+          // Every rank checked tile k (and stopped there); none reached tile k + 1.
+          EXPECT_EQ(calls.load(), (k + 1) * c.shards);
+          EXPECT_TRUE(b.Health().ok()) << b.Health();
+          LOGITSERVE_ASSERT_SCORE(after, b, small_job.job);
+          ExpectBitwiseEqual(after, expected);
+        }
+      }
+      w.job.job.stop = nullptr;
     }
   }
 }

@@ -9,12 +9,15 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -25,6 +28,7 @@
 #include "server/backend/cuda/cuda_tile_gemm.h"
 #include "server/backend/cuda/device_resources.h"
 #include "server/backend/cuda/nccl_communicator.h"
+#include "server/backend/cuda/watchdog.h"
 #include "server/backend/shard_layout.h"
 
 #ifndef LOGITSERVE_CUDA_ARCHITECTURES
@@ -41,6 +45,11 @@ namespace kc = kernels::cuda;
 constexpr int64_t kMaxLogitsTileRows = 8192;
 // first_bad_row's "no bad row" value (cudaMemset byte 0x7f).
 constexpr int32_t kNoBadRow = 0x7f7f7f7f;
+
+// Row tiles in flight per rank (tile_done events): the host waits for tile t - 2 before it queues
+// tile t, so the GPU always has the next tile queued while stop checks and the watchdog stay
+// within two tiles of the device.
+constexpr int kTileEvents = 2;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t CeilDiv(int64_t x, int64_t m) { return (x + m - 1) / m; }
@@ -83,12 +92,23 @@ class LtHandle {
 struct Rank {
   int index = 0;
   int device = 0;
+  // `stream` (high priority) runs everything but hidden mode's GEMMs: statistics, collectives,
+  // folds, copies. `gemm_stream` runs hidden mode's row-tile inputs and GEMMs, so the statistics
+  // of chunk c overlap the GEMMs of chunk c + 1 (double-buffered logits slots, events below).
   CudaStream stream;
+  CudaStream gemm_stream;
+  std::array<CudaEvent, 2> slot_filled;  // gemm_stream: chunk g's logits are in slot g % 2
+  std::array<CudaEvent, 2> slot_free;    // stream: chunk g's readers are done with slot g % 2
+  CudaEvent slots_released;              // stream: JSD pass done with the tile's kept chunks
+  CudaEvent gemm_idle;                   // joins gemm_stream into stream
   LtHandle lt;
   DeviceBuffer cublas_workspace;
   DeviceBuffer workspace;              // per-job scratch, grown on demand
+  PinnedBuffer host_staging;           // hidden rows from pageable memory, two tiles per input
   std::unique_ptr<Communicator> comm;  // null when the backend has one rank
   NcclCommunicator* nccl = nullptr;    // comm, when it is NCCL
+  std::array<CudaEvent, kTileEvents> tile_done;  // tile t recorded in tile_done[t % kTileEvents]
+  CudaEvent idle;                                // "everything queued so far is done"
   ~Rank() {
     comm.reset();  // before the stream it uses
     DeviceGuard guard(device);
@@ -142,7 +162,45 @@ struct JobPlan {
   kc::TileMessage msg;
   std::vector<bool> model_zero_copy;  // per rank: the model logits already live on its device
   std::vector<bool> ref_zero_copy;
+  // Some logits input lives in pageable host memory: its per-tile copy waits (in the driver,
+  // without a time limit) for the rank's stream, so a rank lets only one tile run ahead of the
+  // host. (Pageable hidden states are staged through pinned memory instead: no such wait.)
+  bool pageable_logits = false;
+  bool model_pageable_hidden = false;
+  bool ref_pageable_hidden = false;
 };
+
+// CudaBackendOptions::test_fault, parsed.
+struct TestFault {
+  enum Kind { kNone, kSkipCollective, kStall, kStickyError };
+  Kind kind = kNone;
+  int rank = -1;
+};
+
+absl::StatusOr<TestFault> ParseTestFault(const std::string& text, int ranks) {
+  TestFault f;
+  if (text.empty()) return f;
+  const size_t colon = text.find(':');
+  const std::string kind = text.substr(0, colon);
+  if (kind == "skip-collective") {
+    f.kind = TestFault::kSkipCollective;
+  } else if (kind == "stall") {
+    f.kind = TestFault::kStall;
+  } else if (kind == "sticky-error") {
+    f.kind = TestFault::kStickyError;
+  }
+  int rank = -1;
+  if (f.kind == TestFault::kNone || colon == std::string::npos ||
+      !absl::SimpleAtoi(text.substr(colon + 1), &rank) || rank < 0 || rank >= ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("test fault '", text,
+                     "': expected skip-collective:R, stall:R or sticky-error:R with R a "
+                     "rank in [0, ",
+                     ranks, ")"));
+  }
+  f.rank = rank;
+  return f;
+}
 
 // The first failure of a job, shared by its rank threads so that every rank takes the same
 // decision before each collective. Ranks meet at numbered checkpoints (the same sequence on every
@@ -202,6 +260,16 @@ int DeviceOf(const void* p) {
   return attr.type == cudaMemoryTypeDevice ? attr.device : -1;
 }
 
+// Whether p is host memory that CUDA does not know (neither pinned nor managed nor device).
+bool IsPageable(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return attr.type == cudaMemoryTypeUnregistered;
+}
+
 k::PairBlockStats* StatsOf(uint8_t* msg, const kc::TileMessage& m) {
   return reinterpret_cast<k::PairBlockStats*>(msg + m.stats_offset);
 }
@@ -210,8 +278,8 @@ k::PairBlockStats* StatsOf(uint8_t* msg, const kc::TileMessage& m) {
 
 class RankWorker {
  public:
-  RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure,
-             int64_t test_fail_step)
+  RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure, FatalState& fatal,
+             absl::Duration timeout, int64_t test_fail_step, TestFault fault)
       : rank_(rank),
         plan_(plan),
         job_(*plan.job),
@@ -221,16 +289,21 @@ class RankWorker {
         num_chunks_(shard_width_ > 0 ? CeilDiv(shard_width_, plan.chunk_cols) : 0),
         reports_(rank.index == 0),
         failure_(failure),
-        test_fail_step_(test_fail_step) {}
+        fatal_(fatal),
+        timeout_(timeout),
+        test_fail_step_(test_fail_step),
+        fault_(fault.rank == rank.index ? fault.kind : TestFault::kNone) {}
 
   // Allocates the job's workspace and uploads the target ids. No collectives.
   absl::Status Prepare();
   // Every tile. Before each collective the ranks agree (JobFailure) whether any of them failed;
-  // if so, all return there (the failing rank its own status, the others PeerFailed).
+  // if so, all return there (the failing rank its own status, the others PeerFailed). A stop
+  // (job.CheckStop(), before every tile) is such a failure.
   absl::Status Run();
-  // Rank 0: copies the outputs into `result` and the bad-row markers into first_bad. Every rank
-  // waits for its stream and checks NCCL.
-  absl::Status Finish(ScoreResult* result, int32_t* first_bad);
+  // Every rank waits (watchdog) until its stream is idle, so nothing queued outlives the job;
+  // then, when `copy` (the job succeeded), rank 0 copies the outputs into `result` and the
+  // bad-row markers into first_bad. Every rank checks NCCL.
+  absl::Status Finish(bool copy, ScoreResult* result, int32_t* first_bad);
 
  private:
   struct Dist {
@@ -243,7 +316,10 @@ class RankWorker {
     // Hidden mode.
     const CudaHead* head = nullptr;
     int hidden_parts = 0;
-    uint8_t* raw = nullptr;       // [tile_rows][H] of the input dtype
+    uint8_t* raw = nullptr;  // [tile_rows][H] of the input dtype
+    // Pageable hidden states: two pinned host tiles [tile_rows][H] (tile t uses t % 2), filled by
+    // the host thread while the GPU works on earlier tiles, then copied asynchronously.
+    std::array<uint8_t*, 2> pinned{};
     uint16_t* x_parts = nullptr;  // hidden_parts x [kCudaRowTile][k_pad]
     float* slots = nullptr;       // n_slots x [kCudaRowTile][kCudaVocabChunk]
     int64_t n_slots = 0;
@@ -253,13 +329,22 @@ class RankWorker {
   void SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                  std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets);
   absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows);
-  // The source for chunk c; hidden mode runs its GEMMs first when `compute`.
-  absl::StatusOr<kc::LogitsSource> Source(Dist& d, int64_t c, int64_t row0, bool compute);
+  // The source for chunk c; hidden mode reads logits slot `slot` and runs its GEMMs into it first
+  // (on gemm_stream) when `compute`.
+  absl::StatusOr<kc::LogitsSource> Source(Dist& d, int64_t c, int64_t row0, bool compute,
+                                          int64_t slot);
   absl::Status ComputeTile(int64_t row0, int64_t rows);
   absl::Status FoldTile(int64_t row0, int64_t rows);
   absl::Status JsdTile(int64_t row0, int64_t rows);
   absl::Status JsdGatherAndFinish(int64_t row0, int64_t rows);
+  // Polls `event` until it completes (watchdog: collective_timeout; NCCL errors; a fatal error on
+  // another rank abandons the wait).
+  absl::Status WaitFor(cudaEvent_t event, const char* what);
+  absl::Status WaitIdle(const char* what);
+  // CudaBackendOptions::test_fault on this rank, at the end of the job's first tile.
+  absl::Status InjectFault();
   cudaStream_t stream() const { return rank_.stream.get(); }
+  cudaStream_t gemm_stream() const { return rank_.gemm_stream.get(); }
 
   Rank& rank_;
   const JobPlan& plan_;
@@ -270,7 +355,11 @@ class RankWorker {
   const int64_t num_chunks_;
   const bool reports_;  // rank 0 writes the outputs
   JobFailure& failure_;
+  FatalState& fatal_;
+  const absl::Duration timeout_;
   const int64_t test_fail_step_;  // CudaBackendOptions::test_fail_step when this rank fails
+  const TestFault::Kind fault_;   // CudaBackendOptions::test_fault when it names this rank
+  int64_t chunk_seq_ = 0;         // hidden mode: chunks computed so far in this job (all tiles)
 
   Dist model_, ref_;
   uint8_t* send_ = nullptr;
@@ -316,7 +405,8 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
       off[2] = carver.Add(static_cast<size_t>(d.hidden_parts) * rows *
                           static_cast<size_t>(d.head->k_pad) * sizeof(uint16_t));
       // JSD's second pass reads the tile's logits again: keep every chunk rather than recompute.
-      d.n_slots = plan_.jsd_pass ? num_chunks_ : 1;
+      // Otherwise two slots: the GEMMs fill one while the statistics read the other.
+      d.n_slots = plan_.jsd_pass ? num_chunks_ : 2;
       off[3] = carver.Add(static_cast<size_t>(d.n_slots) * rows *
                           static_cast<size_t>(kCudaVocabChunk) * sizeof(float));
     }
@@ -360,6 +450,29 @@ absl::Status RankWorker::Prepare() {
               dist_offsets);
   }
   if (auto s = rank_.workspace.Reserve(rank_.device, carver.total()); !s.ok()) return s;
+  // Pinned tiles for pageable hidden states.
+  {
+    std::vector<std::pair<Dist*, size_t>> pinned;
+    size_t pinned_total = 0;
+    auto want = [&](Dist& d, const DistributionInput& in, bool pageable) {
+      d.pinned = {};
+      if (!pageable || !in.hidden_mode() || shard_width_ == 0) return;
+      const size_t bytes =
+          static_cast<size_t>(plan_.tile_rows * in.hidden.cols * k::SizeOf(in.hidden.type));
+      pinned.emplace_back(&d, bytes);
+      pinned_total += 2 * ((bytes + 255) / 256 * 256);
+    };
+    want(model_, job_.model, plan_.model_pageable_hidden);
+    if (plan_.pair) want(ref_, job_.reference, plan_.ref_pageable_hidden);
+    if (auto s = rank_.host_staging.Reserve(pinned_total); !s.ok()) return s;
+    size_t at = 0;
+    for (auto& [d, bytes] : pinned) {
+      for (uint8_t*& p : d->pinned) {
+        p = rank_.host_staging.data() + at;
+        at += (bytes + 255) / 256 * 256;
+      }
+    }
+  }
   uint8_t* base = rank_.workspace.as<uint8_t>();
   send_ = base + send_at;
   recv_ = num_ranks_ > 1 ? base + recv_at : send_;
@@ -416,18 +529,26 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows) {
   }
   const MatrixView& h = d.in->hidden;
   const int64_t es = k::SizeOf(h.type);
+  const size_t bytes = static_cast<size_t>(rows * h.cols * es);
+  const uint8_t* src = static_cast<const uint8_t*>(h.data) + row0 * h.cols * es;
+  if (d.pinned[0] != nullptr) {
+    // Run() has waited for tile t - 2, the last reader of this pinned tile.
+    uint8_t* pinned = d.pinned[static_cast<size_t>((row0 / plan_.tile_rows) % 2)];
+    std::memcpy(pinned, src, bytes);
+    src = pinned;
+  }
+  // On gemm_stream, behind the previous tile's GEMMs (the only readers of raw and x_parts).
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(d.raw, static_cast<const uint8_t*>(h.data) + row0 * h.cols * es,
-                      static_cast<size_t>(rows * h.cols * es), cudaMemcpyDefault, stream()));
+      cudaMemcpyAsync(d.raw, src, bytes, cudaMemcpyDefault, gemm_stream()));
   // Rows past `rows` become zeros: the GEMM always multiplies kCudaRowTile rows.
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchSplitToBf16(
       h.type, d.raw, h.cols, rows, h.cols, d.hidden_parts, d.x_parts, kCudaRowTile, d.head->k_pad,
-      static_cast<size_t>(kCudaRowTile * d.head->k_pad), stream()));
+      static_cast<size_t>(kCudaRowTile * d.head->k_pad), gemm_stream()));
   return absl::OkStatus();
 }
 
-absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t row0,
-                                                    bool compute) {
+absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t row0, bool compute,
+                                                    int64_t slot_index) {
   const int64_t cc0 = c * plan_.chunk_cols;  // shard-local first column of the chunk
   kc::LogitsSource src;
   src.col0 = shard_.begin + cc0;
@@ -447,7 +568,7 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
     return src;
   }
   // Hidden mode: chunk c of the head shard (whole kCudaVocabChunk rows, zero-padded).
-  float* slot = d.slots + (d.n_slots > 1 ? c : 0) * kCudaRowTile * kCudaVocabChunk;
+  float* slot = d.slots + slot_index * kCudaRowTile * kCudaVocabChunk;
   const CudaHead& head = *d.head;
   const CudaHead::Shard& hs = head.shards[static_cast<size_t>(rank_.index)];
   if (compute) {
@@ -455,9 +576,9 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
     for (int j = 0; j < d.hidden_parts; ++j) {
       for (int i = 0; i < head.parts; ++i) {
         const uint16_t* w = head.Part(rank_.index, i) + cc0 * head.k_pad;
-        if (auto s =
-                hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot,
-                             /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(), stream());
+        if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot,
+                                  /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
+                                  gemm_stream());
             !s.ok()) {
           return s;
         }
@@ -473,7 +594,23 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
 
 absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   const kc::TileMessage& m = plan_.msg;
+  // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % 2:
+  // its GEMMs wait until the statistics of chunk g - 2 are done with that slot, and its statistics
+  // wait until its GEMMs are done. With a JSD pass every chunk of the tile keeps its own slot until
+  // the pass, so the tile's GEMMs wait for the previous tile's pass instead. Both streams' order
+  // and every kernel's inputs are those of one stream: the bits do not change.
+  const bool split = plan_.any_hidden;
+  auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
+    return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
+                      __LINE__);
+  };
+  auto record = [](const CudaEvent& e, cudaStream_t on) {
+    return CudaStatus(cudaEventRecord(e.get(), on), "cudaEventRecord", __FILE__, __LINE__);
+  };
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(send_, 0, m.bytes, stream()));
+  if (split && plan_.jsd_pass && row0 > 0) {
+    if (auto s = wait(gemm_stream(), rank_.slots_released); !s.ok()) return s;
+  }
   if (auto s = BeginTile(model_, row0, rows); !s.ok()) return s;
   if (plan_.pair) {
     if (auto s = BeginTile(ref_, row0, rows); !s.ok()) return s;
@@ -483,12 +620,22 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   auto* counts = reinterpret_cast<int32_t*>(send_ + m.count_offset);
   auto* targets = reinterpret_cast<float*>(send_ + m.target_offset);
   for (int64_t c = 0; c < num_chunks_; ++c) {
-    absl::StatusOr<kc::LogitsSource> a = Source(model_, c, row0, /*compute=*/true);
+    const int64_t g = chunk_seq_++;
+    const size_t e = static_cast<size_t>(g % 2);
+    const int64_t slot = plan_.jsd_pass ? c : g % 2;
+    if (split && !plan_.jsd_pass && g >= 2) {
+      if (auto s = wait(gemm_stream(), rank_.slot_free[e]); !s.ok()) return s;
+    }
+    absl::StatusOr<kc::LogitsSource> a = Source(model_, c, row0, /*compute=*/true, slot);
     if (!a.ok()) return a.status();
     absl::StatusOr<kc::LogitsSource> b;
     if (plan_.pair) {
-      b = Source(ref_, c, row0, /*compute=*/true);
+      b = Source(ref_, c, row0, /*compute=*/true, slot);
       if (!b.ok()) return b.status();
+    }
+    if (split) {
+      if (auto s = record(rank_.slot_filled[e], gemm_stream()); !s.ok()) return s;
+      if (auto s = wait(stream(), rank_.slot_filled[e]); !s.ok()) return s;
     }
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(
@@ -500,6 +647,9 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     if (job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchTopKUpdate(*a, rows, job_.top_k, lists, counts, stream()));
+    }
+    if (split && !plan_.jsd_pass) {
+      if (auto s = record(rank_.slot_free[e], stream()); !s.ok()) return s;
     }
   }
   return absl::OkStatus();
@@ -523,14 +673,18 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(partial_send_, 0, bytes, stream()));
   for (int64_t c = 0; c < num_chunks_; ++c) {
     // Logits mode reads the staged (or resident) tile again; hidden mode its kept chunks.
-    absl::StatusOr<kc::LogitsSource> s = Source(model_, c, row0, /*compute=*/false);
+    absl::StatusOr<kc::LogitsSource> s = Source(model_, c, row0, /*compute=*/false, c);
     if (!s.ok()) return s.status();
-    absl::StatusOr<kc::LogitsSource> t = Source(ref_, c, row0, /*compute=*/false);
+    absl::StatusOr<kc::LogitsSource> t = Source(ref_, c, row0, /*compute=*/false, c);
     if (!t.ok()) return t.status();
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdPartials(*s, *t, rows, folded_a_, folded_b_,
                                                           *job_.jsd_beta, partial_send_,
                                                           plan_.max_blocks, local_block, stream()));
+  }
+  // The next tile's GEMMs may overwrite the kept chunks now.
+  if (plan_.any_hidden) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.slots_released.get(), stream()));
   }
   return absl::OkStatus();
 }
@@ -543,13 +697,53 @@ absl::Status RankWorker::JsdGatherAndFinish(int64_t row0, int64_t rows) {
   return absl::OkStatus();
 }
 
+absl::Status RankWorker::WaitFor(cudaEvent_t event, const char* what) {
+  return PollUntil(
+      [&]() -> absl::StatusOr<bool> {
+        const cudaError_t q = cudaEventQuery(event);
+        if (q == cudaSuccess) return true;
+        if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery", __FILE__, __LINE__);
+        if (rank_.nccl != nullptr) {
+          if (absl::Status s = rank_.nccl->AsyncError(); !s.ok()) return s;
+        }
+        return false;
+      },
+      timeout_, &fatal_,
+      absl::StrCat(what, " on GPU ", rank_.device, " (vocabulary shard ", rank_.index, ")"));
+}
+
+absl::Status RankWorker::WaitIdle(const char* what) {
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.gemm_idle.get(), gemm_stream()));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.gemm_idle.get(), 0));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.idle.get(), stream()));
+  return WaitFor(rank_.idle.get(), what);
+}
+
+absl::Status RankWorker::InjectFault() {
+  switch (fault_) {
+    case TestFault::kStall:
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTestStall(
+          static_cast<uint64_t>(absl::ToInt64Nanoseconds(3 * timeout_)), stream()));
+      break;
+    case TestFault::kStickyError:
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTestIllegalStore(nullptr, stream()));
+      break;
+    case TestFault::kSkipCollective:  // in Run
+    case TestFault::kNone:
+      break;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RankWorker::Run() {
   DeviceGuard guard(rank_.device);
   if (auto s = guard.status(); !s.ok()) return s;
   int64_t step = 0;
   absl::Status local = absl::OkStatus();  // the first failure since the previous checkpoint
-  auto note = [&local](absl::Status s) {
-    if (local.ok() && !s.ok()) local = std::move(s);
+  auto note = [&](absl::Status s) {
+    if (s.ok()) return;
+    if (IsFatalDeviceError(s)) fatal_.Fail(s);
+    if (local.ok()) local = std::move(s);
   };
   // A checkpoint: true when the job stops here; `local` then holds this rank's status.
   auto stop = [&]() {
@@ -558,50 +752,78 @@ absl::Status RankWorker::Run() {
     if (stop_here && local.ok()) local = PeerFailed(failure_.rank());
     return stop_here;
   };
-  for (int64_t row0 = 0; row0 < job_.rows; row0 += plan_.tile_rows) {
+  int64_t gathers = 0;
+  auto gather = [&](const void* send, void* recv, size_t bytes) {
+    if (num_ranks_ == 1) return;
+    // Test fault: only the job's first gather (NCCL connections are up; the peers then wait on
+    // the GPU for gathers that never come).
+    if (fault_ == TestFault::kSkipCollective && gathers++ > 0) return;
+    note(rank_.comm->AllGather(send, recv, bytes));
+  };
+  // At most `depth` tiles queued ahead of the host. Two keep the GPU busy while the host queues
+  // the next tile; one where a pageable copy would wait for the stream inside the driver anyway.
+  const int64_t depth = plan_.pageable_logits ? 1 : kTileEvents;
+  for (int64_t t = 0, row0 = 0; row0 < job_.rows; ++t, row0 += plan_.tile_rows) {
     const int64_t rows = std::min(plan_.tile_rows, job_.rows - row0);
-    note(ComputeTile(row0, rows));
-    if (stop()) return local;
-    if (num_ranks_ > 1) note(rank_.comm->AllGather(send_, recv_, plan_.msg.bytes));
-    if (local.ok()) note(FoldTile(row0, rows));
-    if (!plan_.jsd_pass) continue;
-    if (local.ok()) note(JsdTile(row0, rows));
-    if (stop()) return local;
-    if (num_ranks_ > 1) {
-      const size_t bytes = static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float);
-      note(rank_.comm->AllGather(partial_send_, partial_recv_, bytes));
+    if (local.ok() && t >= depth) {
+      note(WaitFor(rank_.tile_done[static_cast<size_t>((t - depth) % kTileEvents)].get(),
+                   "row tile"));
     }
-    if (local.ok()) note(JsdGatherAndFinish(row0, rows));
+    // A stop (cancelled / expired) travels like a failure: every rank ends at this tile, and
+    // nothing of it has been queued.
+    if (local.ok()) note(job_.CheckStop());
+    if (local.ok()) note(ComputeTile(row0, rows));
+    if (stop()) return local;
+    gather(send_, recv_, plan_.msg.bytes);
+    if (local.ok()) note(FoldTile(row0, rows));
+    if (plan_.jsd_pass) {
+      if (local.ok()) note(JsdTile(row0, rows));
+      if (stop()) return local;
+      gather(partial_send_, partial_recv_,
+             static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float));
+      if (local.ok()) note(JsdGatherAndFinish(row0, rows));
+    }
+    // Test faults go after the first tile's work: the next tile's wait (or Finish's) meets them.
+    if (local.ok() && t == 0) note(InjectFault());
+    if (local.ok()) {
+      note(CudaStatus(
+          cudaEventRecord(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), stream()),
+          "cudaEventRecord", __FILE__, __LINE__));
+    }
   }
   // No collective follows: a failure after the last checkpoint only needs reporting.
   if (!local.ok()) failure_.Note(rank_.index);
   return local;
 }
 
-absl::Status RankWorker::Finish(ScoreResult* result, int32_t* first_bad) {
+absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {
   DeviceGuard guard(rank_.device);
   if (auto s = guard.status(); !s.ok()) return s;
-  if (reports_) {
-    auto copy = [&](auto& vec, const void* dev) -> absl::Status {
+  // Work still queued reads the request's memory and this rank's workspace: it must be done
+  // before Score returns, and the copies below (to pageable memory) would otherwise wait for it
+  // inside the driver, without a time limit.
+  if (absl::Status s = WaitIdle("job end"); !s.ok()) return s;
+  if (copy && reports_) {
+    auto copy_out = [&](auto& vec, const void* dev) -> absl::Status {
       if (vec.empty() || dev == nullptr) return absl::OkStatus();
       LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(vec.data(), dev, vec.size() * sizeof(vec[0]),
                                                       cudaMemcpyDeviceToHost, stream()));
       return absl::OkStatus();
     };
     for (absl::Status s :
-         {copy(result->target_logprobs, outputs_.target_logprobs),
-          copy(result->top_k_ids, outputs_.top_k_ids),
-          copy(result->top_k_logprobs, outputs_.top_k_logprobs),
-          copy(result->entropy, outputs_.entropy),
-          copy(result->reference_entropy, outputs_.reference_entropy),
-          copy(result->forward_kl, outputs_.forward_kl),
-          copy(result->reverse_kl, outputs_.reverse_kl), copy(result->jsd, outputs_.jsd)}) {
+         {copy_out(result->target_logprobs, outputs_.target_logprobs),
+          copy_out(result->top_k_ids, outputs_.top_k_ids),
+          copy_out(result->top_k_logprobs, outputs_.top_k_logprobs),
+          copy_out(result->entropy, outputs_.entropy),
+          copy_out(result->reference_entropy, outputs_.reference_entropy),
+          copy_out(result->forward_kl, outputs_.forward_kl),
+          copy_out(result->reverse_kl, outputs_.reverse_kl), copy_out(result->jsd, outputs_.jsd)}) {
       if (!s.ok()) return s;
     }
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(first_bad, first_bad_, 2 * sizeof(int32_t),
                                                     cudaMemcpyDeviceToHost, stream()));
+    if (absl::Status s = WaitIdle("output copy"); !s.ok()) return s;
   }
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream()));
   if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();
   return absl::OkStatus();
 }
@@ -610,8 +832,13 @@ absl::Status RankWorker::Finish(ScoreResult* result, int32_t* first_bad) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CudaBackendOptions& options, std::vector<std::unique_ptr<Rank>> ranks)
-      : options_(options), ranks_(std::move(ranks)) {}
+  CudaBackend(const CudaBackendOptions& options, std::vector<std::unique_ptr<Rank>> ranks,
+              TestFault fault)
+      : options_(options), fault_(fault), ranks_(std::move(ranks)) {
+    for (auto& r : ranks_) {
+      if (r->nccl != nullptr) r->nccl->set_fatal_state(&fatal_);
+    }
+  }
 
   std::string name() const override { return "cuda"; }
 
@@ -624,14 +851,26 @@ class CudaBackend final : public Backend {
 
   absl::Status Score(const ScoreJob& job, ScoreResult* result) override;
 
+  absl::Status Health() const override { return fatal_.status(); }
+
+  // Per device: used = total - free (cudaMemGetInfo: every process's use of the device), total.
+  // Zeros for a device that no longer answers.
+  std::vector<MemoryInfo> MemoryUsage() const override;
+
  private:
+  // After a fatal error (every rank thread has returned): aborts the NCCL communicators so no
+  // collective waits for ever, and lets the streams drain for a bounded time.
+  void ShutDownAfterFatalError() ABSL_EXCLUSIVE_LOCKS_REQUIRED(score_mu_);
   absl::StatusOr<std::shared_ptr<const CudaTileGemm>> GemmFor(int device, int64_t k_pad);
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
   absl::Status CheckHead(const DistributionInput& in) const;
 
   const CudaBackendOptions options_;
+  const TestFault fault_;
   std::vector<std::unique_ptr<Rank>> ranks_;
+  FatalState fatal_;
   absl::Mutex score_mu_;  // one job at a time uses the ranks
+  bool shut_down_ ABSL_GUARDED_BY(score_mu_) = false;
   absl::Mutex gemm_mu_;
   std::map<std::pair<int, int64_t>, std::shared_ptr<const CudaTileGemm>> gemms_
       ABSL_GUARDED_BY(gemm_mu_);
@@ -655,6 +894,7 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
 
 absl::StatusOr<std::shared_ptr<const PreparedHead>> CudaBackend::PrepareHead(
     std::shared_ptr<const HeadWeights> weights) {
+  if (absl::Status h = Health(); !h.ok()) return h;
   const HeadWeights& w = *weights;
   const int64_t vocab = w.vocab_size, hidden = w.hidden_size;
   if (vocab < 1 || hidden < 1) return absl::InvalidArgumentError("head has an empty shape");
@@ -791,6 +1031,12 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     }
     staging_per_row = std::max(staging_per_row, bytes);
   }
+  p.pageable_logits =
+      (!job.model.hidden_mode() && IsPageable(job.model.logits.data)) ||
+      (p.pair && !job.reference.hidden_mode() && IsPageable(job.reference.logits.data));
+  p.model_pageable_hidden = job.model.hidden_mode() && IsPageable(job.model.hidden.data);
+  p.ref_pageable_hidden =
+      p.pair && job.reference.hidden_mode() && IsPageable(job.reference.hidden.data);
   if (p.any_hidden) {
     p.tile_rows = kCudaRowTile;  // the GEMM's shape: fixed, whatever N
   } else {
@@ -816,6 +1062,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
 }
 
 absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
+  if (absl::Status h = Health(); !h.ok()) return h;
   if (absl::Status s = StartResult(job, result); !s.ok()) return s;
   if (job.rows == 0) return absl::OkStatus();
   if (auto s = CheckHead(job.model); !s.ok()) return s;
@@ -826,21 +1073,30 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   if (!plan.ok()) return plan.status();
 
   absl::MutexLock lock(&score_mu_);
+  if (absl::Status h = Health(); !h.ok()) return h;  // failed while this job waited
   const int ranks = static_cast<int>(ranks_.size());
   std::vector<absl::Status> status(static_cast<size_t>(ranks));
   int32_t first_bad[2] = {kNoBadRow, kNoBadRow};
   JobFailure failure(ranks);
+  auto fatal_check = [this](const absl::Status& s) {
+    if (IsFatalDeviceError(s)) fatal_.Fail(s);
+  };
   auto run_rank = [&](int r) {
-    RankWorker worker(*ranks_[static_cast<size_t>(r)], *plan, ranks, failure,
-                      r == options_.test_fail_rank ? options_.test_fail_step : -1);
+    RankWorker worker(*ranks_[static_cast<size_t>(r)], *plan, ranks, failure, fatal_,
+                      options_.collective_timeout,
+                      r == options_.test_fail_rank ? options_.test_fail_step : -1, fault_);
     // Prepare only allocates and uploads; the ranks agree on it before the first collective.
     absl::Status s = worker.Prepare();
+    fatal_check(s);
     if (failure.Failed(-1, r, !s.ok())) {
+      // Prepare's copy of the target ids may still be queued: let it finish.
+      fatal_check(worker.Finish(/*copy=*/false, result, first_bad));
       status[static_cast<size_t>(r)] = s.ok() ? PeerFailed(failure.rank()) : s;
       return;
     }
     s = worker.Run();
-    absl::Status f = worker.Finish(result, first_bad);
+    absl::Status f = worker.Finish(/*copy=*/s.ok(), result, first_bad);
+    fatal_check(f);
     if (s.ok() && !f.ok()) failure.Note(r);
     status[static_cast<size_t>(r)] = s.ok() ? f : s;
   };
@@ -848,6 +1104,11 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   for (int r = 1; r < ranks; ++r) others.emplace_back(run_rank, r);
   run_rank(0);
   for (auto& t : others) t.join();
+  // A fatal device error on any rank outranks everything else.
+  if (fatal_.failed()) {
+    ShutDownAfterFatalError();
+    return fatal_.status();
+  }
   // The failing rank's own status (the others report PeerFailed).
   if (const int culprit = failure.rank(); culprit >= 0) {
     return status[static_cast<size_t>(culprit)];
@@ -866,6 +1127,57 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
     return absl::InvalidArgumentError(absl::StrCat(what, " contain NaN or +inf"));
   }
   return absl::OkStatus();
+}
+
+void CudaBackend::ShutDownAfterFatalError() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  std::vector<NcclCommunicator*> nccl;
+  for (auto& r : ranks_) {
+    if (r->nccl != nullptr) nccl.push_back(r->nccl);
+  }
+  // Bounded: the job's caller is waiting, and the process is about to exit anyway.
+  const absl::Duration bound = std::min(options_.collective_timeout, absl::Seconds(10));
+  AbortNcclCommunicators(nccl, bound);
+  // What the aborted collectives held up may now finish; wait a little for it (a sticky error
+  // answers at once), since the request's memory is released when Score returns.
+  const absl::Duration drain = bound;
+  for (auto& r : ranks_) {
+    DeviceGuard guard(r->device);
+    if (!guard.status().ok() ||
+        cudaEventRecord(r->gemm_idle.get(), r->gemm_stream.get()) != cudaSuccess ||
+        cudaStreamWaitEvent(r->stream.get(), r->gemm_idle.get(), 0) != cudaSuccess ||
+        cudaEventRecord(r->idle.get(), r->stream.get()) != cudaSuccess) {
+      continue;
+    }
+    (void)PollUntil(
+        [&]() -> absl::StatusOr<bool> {
+          const cudaError_t q = cudaEventQuery(r->idle.get());
+          if (q == cudaErrorNotReady) return false;
+          return true;  // done, or an error: either way nothing more to wait for
+        },
+        drain, nullptr, "drain");
+  }
+}
+
+std::vector<Backend::MemoryInfo> CudaBackend::MemoryUsage() const {
+  std::vector<MemoryInfo> out;
+  std::set<int> seen;
+  for (const auto& r : ranks_) {
+    if (!seen.insert(r->device).second) continue;
+    MemoryInfo info;
+    info.device = absl::StrCat("cuda:", r->device);
+    DeviceGuard guard(r->device);
+    size_t free_bytes = 0, total_bytes = 0;
+    if (guard.status().ok() && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      info.used_bytes = static_cast<int64_t>(total_bytes - free_bytes);
+      info.total_bytes = static_cast<int64_t>(total_bytes);
+    } else {
+      cudaGetLastError();
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
 }
 
 }  // namespace
@@ -935,6 +1247,18 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   for (int64_t w : options.shard_weights) {
     if (w < 0) return absl::InvalidArgumentError("shard_weights must be >= 0");
   }
+  if (options.collective_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("collective_timeout must be > 0");
+  }
+  absl::StatusOr<TestFault> fault = ParseTestFault(options.test_fault, shards);
+  if (!fault.ok()) return fault.status();
+  if (fault->kind == TestFault::kSkipCollective && shards > static_cast<int>(devices.size())) {
+    return absl::InvalidArgumentError(
+        "test fault skip-collective needs one vocabulary shard per GPU (NCCL)");
+  }
+  if (fault->kind == TestFault::kSkipCollective && shards < 2) {
+    return absl::InvalidArgumentError("test fault skip-collective needs two or more shards");
+  }
   std::vector<std::unique_ptr<Rank>> ranks;
   std::vector<int> rank_devices;
   std::vector<cudaStream_t> streams;
@@ -944,11 +1268,27 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     rank->device = devices[static_cast<size_t>(r) % devices.size()];
     DeviceGuard guard(rank->device);
     if (auto s = guard.status(); !s.ok()) return s;
-    if (auto s = rank->stream.Create(rank->device); !s.ok()) return s;
+    int least_priority = 0, greatest_priority = 0;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+    // The statistics stream first: its short kernels take SMs as GEMM blocks retire.
+    if (auto s = rank->stream.Create(rank->device, greatest_priority); !s.ok()) return s;
+    if (auto s = rank->gemm_stream.Create(rank->device); !s.ok()) return s;
+    for (auto* events : {&rank->slot_filled, &rank->slot_free}) {
+      for (CudaEvent& e : *events) {
+        if (auto s = e.Create(rank->device); !s.ok()) return s;
+      }
+    }
+    if (auto s = rank->slots_released.Create(rank->device); !s.ok()) return s;
+    if (auto s = rank->gemm_idle.Create(rank->device); !s.ok()) return s;
     if (auto s = rank->lt.Create(); !s.ok()) return s;
     if (auto s = rank->cublas_workspace.Reserve(rank->device, kCublasWorkspaceBytes); !s.ok()) {
       return s;
     }
+    for (CudaEvent& e : rank->tile_done) {
+      if (auto s = e.Create(rank->device); !s.ok()) return s;
+    }
+    if (auto s = rank->idle.Create(rank->device); !s.ok()) return s;
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());
     ranks.push_back(std::move(rank));
@@ -956,7 +1296,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   if (shards > 1) {
     const bool distinct = shards <= static_cast<int>(devices.size());
     absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> comms =
-        distinct ? CreateNcclCommunicators(rank_devices, streams)
+        distinct ? CreateNcclCommunicators(rank_devices, streams, options.collective_timeout)
                  : CreateDeviceCopyCommunicators(rank_devices, streams);
     if (!comms.ok()) return comms.status();
     for (int r = 0; r < shards; ++r) {
@@ -965,7 +1305,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       rank.nccl = distinct ? static_cast<NcclCommunicator*>(rank.comm.get()) : nullptr;
     }
   }
-  return std::unique_ptr<Backend>(new CudaBackend(options, std::move(ranks)));
+  return std::unique_ptr<Backend>(new CudaBackend(options, std::move(ranks), *fault));
 }
 
 }  // namespace logitserve

@@ -6,6 +6,8 @@
 //   every rank computes per-(row, block) statistics of its shard (logits mode: straight from the
 //     request's logits; hidden mode: cuBLASLt GEMM per 8192-id chunk into an L2-sized fp32 tile,
 //     then the same statistics kernel reads it back), its top-k candidates and its target logits;
+//     hidden mode runs the GEMMs on a second stream into two alternating tiles, so the statistics
+//     of chunk c (and the tile's all-gather and fold) overlap the GEMMs of the next chunks;
 //   the ranks all-gather those small records (NCCL);
 //   every rank folds them in global block order (identical bits on every rank); rank 0 writes
 //     the outputs;
@@ -16,19 +18,35 @@
 // row's position, of the number of devices and of the input dtype carrying the same values (see
 // cuda_kernels.h and cuda_tile_gemm.h for why).
 //
-// Inputs: MatrixView data may be host memory (copied per tile; pageable is fine, pinned is faster)
-// or device memory of any device (unified addressing). Logits already resident on a rank's own
-// device are read in place, with no copy (benchmarks use this).
+// Inputs: MatrixView data may be host memory (copied per tile) or device memory of any device
+// (unified addressing). Logits already resident on a rank's own device are read in place, with no
+// copy (benchmarks use this). Hidden states in pageable host memory are staged per tile through
+// two pinned buffers by the rank's host thread while the GPU works on earlier tiles; pageable
+// host logits are copied per tile with one tile in flight (the copy waits for the stream); pinned
+// host memory is copied asynchronously.
+//
+// Stops and failures: before every row tile each rank calls job.stop (ScoreJob::CheckStop); a
+// stop, like a failure, is agreed by every rank at the same checkpoint (JobFailure), so all end at
+// the same tile and Score returns the stop's own status (CANCELLED, DEADLINE_EXCEEDED). A rank
+// keeps at most two tiles queued ahead of its host thread (one with pageable inputs), so a stop
+// takes effect within a tile or two. A fatal device error - a sticky CUDA error, any NCCL error,
+// or a stream / NCCL call without progress for CudaBackendOptions::collective_timeout (the
+// watchdog; every wait on the GPU polls with that deadline instead of blocking) - fails the job,
+// aborts every NCCL communicator and takes the backend out of service: Health(), Score and
+// PrepareHead return that INTERNAL error from then on.
 //
 // Thread safety: PrepareHead and Score may be called from any thread. Score calls are serialised
 // (a job uses every device and every communicator); the scheduler batches requests instead.
+// Health and MemoryUsage may be called from any thread at any time.
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/backend/backend.h"
 
 namespace logitserve {
@@ -58,6 +76,21 @@ struct CudaBackendOptions {
   // the ranks' agreement to stop together after one of them fails.
   int test_fail_rank = -1;
   int64_t test_fail_step = -1;
+  // Watchdog: a rank whose stream (or an NCCL call in progress) makes no progress for this long
+  // is a fatal device error, like a sticky CUDA error or an NCCL error: the job fails, the NCCL
+  // communicators are aborted (ncclCommAbort), and Health() / every later Score / PrepareHead
+  // return that error (INTERNAL) for good. Far above any row tile (milliseconds).
+  absl::Duration collective_timeout = absl::Seconds(60);
+  // Testing only (the server's --test-fault): a real fault on rank R in the first row tile of every
+  // job, to exercise the fatal-error paths. "" = none; anything else is INVALID_ARGUMENT.
+  //   "skip-collective:R"  rank R makes only the first all-gather of each job and skips the others;
+  //                        its peers' next gather never completes on the GPU -> watchdog timeout
+  //                        -> ncclCommAbort. Needs one shard per GPU (NCCL; >= 2 GPUs).
+  //   "stall:R"            rank R's stream busy-waits 3 x collective_timeout -> watchdog timeout.
+  //   "sticky-error:R"     rank R runs a kernel that stores through a null pointer: a real
+  //                        cudaErrorIllegalAddress, sticky (that device's context is lost for the
+  //                        rest of the process).
+  std::string test_fault;
 };
 
 // OK when every device in `devices` (empty = all visible) can run this build's kernels.

@@ -59,8 +59,39 @@ CudaStream::~CudaStream() {
   cudaStreamDestroy(stream_);
 }
 
-absl::Status CudaStream::Create(int device) {
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+absl::Status CudaStream::Create(int device, int priority) {
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority));
+  device_ = device;
+  return absl::OkStatus();
+}
+
+absl::Status PinnedBuffer::Reserve(size_t bytes) {
+  if (data_ != nullptr && size_ >= bytes) return absl::OkStatus();
+  Free();
+  if (bytes == 0) return absl::OkStatus();
+  void* p = nullptr;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, bytes));
+  data_ = static_cast<uint8_t*>(p);
+  size_ = bytes;
+  return absl::OkStatus();
+}
+
+void PinnedBuffer::Free() {
+  if (data_ == nullptr) return;
+  cudaFreeHost(data_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+CudaEvent::~CudaEvent() {
+  if (event_ == nullptr) return;
+  DeviceGuard guard(device_);
+  cudaEventDestroy(event_);
+}
+
+absl::Status CudaEvent::Create(int device) {
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
   device_ = device;
   return absl::OkStatus();
 }

@@ -3,6 +3,8 @@
 //   DeviceGuard   makes a device current for a scope and restores the previous one.
 //   DeviceBuffer  device memory on one device (freed on that device); Reserve() grows it.
 //   CudaStream    a non-blocking stream on one device.
+//   CudaEvent     an event without timing on one device (completion polling).
+//   PinnedBuffer  page-locked host memory (cudaMallocHost); Reserve() grows it.
 //   HostBarrier   a reusable barrier for the backend's rank threads.
 //
 // Thread safety: DeviceGuard is per thread (the current device is thread state). The owners are
@@ -66,12 +68,45 @@ class CudaStream {
   ~CudaStream();
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
-  // REQUIRES: `device` is current.
-  absl::Status Create(int device);
+  // REQUIRES: `device` is current. `priority` as cudaStreamCreateWithPriority (0: the default;
+  // lower numbers run first).
+  absl::Status Create(int device, int priority = 0);
   cudaStream_t get() const { return stream_; }
 
  private:
   cudaStream_t stream_ = nullptr;
+  int device_ = -1;
+};
+
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  ~PinnedBuffer() { Free(); }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  // Makes the buffer hold at least `bytes` (contents are not kept when it grows). REQUIRES: no
+  // copy from or to it is still queued.
+  absl::Status Reserve(size_t bytes);
+  void Free();
+  uint8_t* data() const { return data_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+class CudaEvent {
+ public:
+  CudaEvent() = default;
+  ~CudaEvent();
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  // REQUIRES: `device` is current.
+  absl::Status Create(int device);
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
   int device_ = -1;
 };
 

@@ -204,4 +204,13 @@ cudaError_t LaunchReadFloor(const void* data, size_t bytes, uint32_t* sink, cuda
 // cudaErrorInvalidDeviceFunction) when the binary holds no code for its architecture.
 cudaError_t CheckKernelImage();
 
+// ---- Fault injection (tests of the backend's fatal-error paths only) -------------------------
+
+// One thread busy-waits on the device for `nanoseconds` (%globaltimer): a stream that makes no
+// progress for that long, as a collective waiting for a peer that never comes would.
+cudaError_t LaunchTestStall(uint64_t nanoseconds, cudaStream_t stream);
+// One thread stores through `target` (tests pass nullptr): a real cudaErrorIllegalAddress, a
+// sticky error that leaves the device's context unusable for the rest of the process.
+cudaError_t LaunchTestIllegalStore(int* target, cudaStream_t stream);
+
 }  // namespace logitserve::kernels::cuda
