@@ -19,7 +19,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <span>
 #include <string>
 #include <thread>
@@ -27,13 +26,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/tensor.h"
 #include "gtest/gtest.h"
-#include "httplib.h"
+#include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
 
 namespace logitserve::client {
@@ -53,33 +50,24 @@ constexpr int kVocab = 700;
 constexpr const char* kHead = "synth:vocab=700,hidden=32,seed=7";
 constexpr int kSlowTileMs = 20;
 
-// The value of the first sample `name{...}` whose labels contain every one of `labels` (e.g.
-// `code="OK"`), scraped from the metrics endpoint `host_port`: an error when the scrape fails,
+// The value of the first sample `name{...}` whose labels include every one of `labels` (e.g.
+// code="OK"), scraped from the metrics endpoint `host_port`: an error when the scrape fails,
 // nullopt when the scrape holds no such sample.
 absl::StatusOr<std::optional<double>> ScrapeSample(const std::string& host_port,
                                                    const std::string& name,
-                                                   const std::vector<std::string>& labels = {}) {
-  const size_t colon = host_port.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError("bad metrics address " + host_port);
-  }
-  httplib::Client http(host_port.substr(0, colon), port);
-  http.set_connection_timeout(5);
-  http.set_read_timeout(5);
-  httplib::Result response = http.Get("/metrics");
-  if (!response || response->status != 200) {
-    return absl::UnavailableError("cannot scrape http://" + host_port + "/metrics");
-  }
-  const std::regex sample("^" + name + R"((\{[^}]*\})?\s+(\S+))");
-  for (absl::string_view line : absl::StrSplit(response->body, '\n')) {
-    std::cmatch m;
-    if (!std::regex_search(line.begin(), line.end(), m, sample)) continue;
-    const std::string found = m[1].str();
-    bool all = true;
-    for (const std::string& label : labels) all = all && found.find(label) != std::string::npos;
-    double value = 0;
-    if (all && absl::SimpleAtod(m[2].str(), &value)) return std::optional<double>(value);
+                                                   const testing::Labels& labels = {}) {
+  absl::StatusOr<testing::Exposition> e = testing::ScrapeMetrics(host_port);
+  if (!e.ok()) return e.status();
+  for (const auto& [family_name, family] : *e) {
+    for (const testing::PromSample& sample : family.samples) {
+      if (sample.name != name) continue;
+      bool all = true;
+      for (const auto& [key, value] : labels) {
+        const auto found = sample.labels.find(key);
+        all = all && found != sample.labels.end() && found->second == value;
+      }
+      if (all) return std::optional<double>(sample.value);
+    }
   }
   return std::optional<double>();
 }
@@ -88,7 +76,7 @@ absl::StatusOr<std::optional<double>> ScrapeSample(const std::string& host_port,
 // series appears with its first request, so an absent one is 0).
 absl::StatusOr<double> ScoreOkCount(const std::string& host_port) {
   absl::StatusOr<std::optional<double>> value =
-      ScrapeSample(host_port, "logitserve_requests_total", {"method=\"Score\"", "code=\"OK\""});
+      ScrapeSample(host_port, "logitserve_requests_total", {{"method", "Score"}, {"code", "OK"}});
   if (!value.ok()) return value.status();
   return value->value_or(0.0);
 }

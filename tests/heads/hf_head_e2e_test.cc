@@ -34,6 +34,7 @@ using ::logitserve::testing::FloatTensor;
 using ::logitserve::testing::HfTensor;
 using ::logitserve::testing::IdTensor;
 using ::logitserve::testing::MakeTempFolder;
+using ::logitserve::testing::Normal;
 using ::logitserve::testing::RemoveFolder;
 using ::logitserve::testing::ServerProcess;
 using ::logitserve::testing::WriteHfFolder;
@@ -43,14 +44,6 @@ using ::testing::Not;
 // Two vocabulary blocks (2048 each), the second partial; two uneven CPU shards.
 constexpr int64_t kVocab = 2500;
 constexpr int64_t kHidden = 48;
-
-std::vector<float> Normal(int64_t n, uint32_t seed, float stddev) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 kernels::FloatType FloatTypeOf(SafetensorsDType dtype) {
   return dtype == SafetensorsDType::kFloat32    ? kernels::FloatType::kFloat32
@@ -143,12 +136,8 @@ class HfHeadE2eTest : public ::testing::Test {
       args.push_back(h.name + "=" + h.dir);
       reference_heads_[h.name] = h.expected;
     }
-    absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(args);
-    if (!server.ok()) {
-      ADD_FAILURE() << "cannot start logitserve: " << server.status();
-      return;
-    }
-    server_ = server->release();
+    server_ = StartServerProcess(args).release();
+    if (server_ == nullptr) return;
     stub_ = v1::Scorer::NewStub(Connect(server_->address())).release();
   }
   static void TearDownTestSuite() {

@@ -68,6 +68,16 @@ std::shared_ptr<const PreparedHead> ReferenceHead(const SyntheticHead& head) {
   return std::make_shared<PreparedHead>(*std::move(w));
 }
 
+std::unique_ptr<testing::ServerProcess> StartServerProcess(std::vector<std::string> args) {
+  absl::StatusOr<std::unique_ptr<testing::ServerProcess>> server =
+      testing::ServerProcess::Start(std::move(args));
+  if (!server.ok()) {
+    ADD_FAILURE() << "cannot start logitserve: " << server.status();
+    return nullptr;
+  }
+  return *std::move(server);
+}
+
 std::shared_ptr<grpc::Channel> Connect(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);

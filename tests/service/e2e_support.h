@@ -16,6 +16,7 @@
 
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "server/backend/backend.h"
+#include "tests/support/server_process.h"
 
 namespace logitserve::e2e {
 
@@ -37,6 +38,10 @@ const SyntheticHead kSmall{"small", 500, 32, 13};
 // The same weights the server builds for `head` (MakeSyntheticHead is deterministic), prepared
 // for the reference only (no backend).
 std::shared_ptr<const PreparedHead> ReferenceHead(const SyntheticHead& head);
+
+// Starts the real `logitserve` with `args` (ServerProcess::Start); when it cannot start, adds a
+// non-fatal test failure ("cannot start logitserve: ...") and returns null.
+std::unique_ptr<testing::ServerProcess> StartServerProcess(std::vector<std::string> args);
 
 std::shared_ptr<grpc::Channel> Connect(const std::string& address);
 

@@ -31,6 +31,8 @@ namespace {
 
 using ::logitserve::testing::FloatTensor;
 using ::logitserve::testing::IdTensor;
+using ::logitserve::testing::Normal;
+using ::logitserve::testing::RandomIds;
 using ::logitserve::testing::RoundedTo;
 using ::logitserve::testing::ServerProcess;
 using ::testing::HasSubstr;
@@ -38,22 +40,6 @@ using ::testing::UnorderedElementsAre;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-std::vector<float> Normal(int64_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-std::vector<int64_t> RandomIds(int64_t n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int64_t> dist(0, vocab - 1);
-  std::vector<int64_t> v(n);
-  for (int64_t& x : v) x = dist(rng);
-  return v;
-}
 
 // A server with the three synthetic heads, two uneven vocabulary shards, default limits.
 class ServerFixture {
@@ -65,12 +51,8 @@ class ServerFixture {
                                      "--threads",        "2",
                                      "--shards",         "2"};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
-    absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(args);
-    if (!server.ok()) {
-      ADD_FAILURE() << "cannot start logitserve: " << server.status();
-      return;
-    }
-    server_ = *std::move(server);
+    server_ = StartServerProcess(std::move(args));
+    if (server_ == nullptr) return;
     channel_ = Connect(server_->address());
     stub_ = v1::Scorer::NewStub(channel_);
   }

@@ -38,20 +38,13 @@ namespace {
 
 using ::logitserve::testing::FloatTensor;
 using ::logitserve::testing::IdTensor;
+using ::logitserve::testing::Normal;
 using ::logitserve::testing::RoundedTo;
 using ::logitserve::testing::ServerProcess;
 using ::testing::HasSubstr;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-std::vector<float> Normal(int64_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 // A head to upload: its spec, its values and their wire bytes.
 struct Upload {
@@ -153,13 +146,10 @@ const SyntheticHead kStatic{"static", 600, 16, 5};
 class LoadHeadE2eTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(
-        {"--synthetic-head", kStatic.Flag(), "--threads", "2", "--shards", "2"});
-    if (!server.ok()) {
-      ADD_FAILURE() << "cannot start logitserve: " << server.status();
-      return;
-    }
-    server_ = server->release();
+    server_ =
+        StartServerProcess({"--synthetic-head", kStatic.Flag(), "--threads", "2", "--shards", "2"})
+            .release();
+    if (server_ == nullptr) return;
     channel_ = new std::shared_ptr<grpc::Channel>(Connect(server_->address()));
     stub_ = v1::Scorer::NewStub(*channel_).release();
   }

@@ -3,11 +3,15 @@
 #include <cmath>
 #include <cstdlib>
 #include <set>
+#include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
 
 namespace logitserve::testing {
 namespace {
@@ -208,6 +212,47 @@ absl::Status CheckHistogram(const PromFamily& family) {
     if (*s.count == 0 && *s.sum != 0) return fail("_sum != 0 with no observations");
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<Exposition> ScrapeMetrics(const std::string& host_port) {
+  const size_t colon = host_port.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad metrics address '", host_port, "'"));
+  }
+  httplib::Client http(host_port.substr(0, colon), port);
+  http.set_connection_timeout(10);
+  http.set_read_timeout(10);
+  httplib::Result r = http.Get("/metrics");
+  if (!r) {
+    return absl::UnavailableError(
+        absl::StrCat("GET http://", host_port, "/metrics failed: ", httplib::to_string(r.error())));
+  }
+  if (r->status != 200) {
+    return absl::InternalError(
+        absl::StrCat("GET http://", host_port, "/metrics: HTTP ", r->status));
+  }
+  const std::string content_type = r->get_header_value("Content-Type");
+  if (content_type.find("text/plain; version=0.0.4") == std::string::npos) {
+    return absl::InternalError(
+        absl::StrCat("GET http://", host_port, "/metrics: Content-Type '", content_type, "'"));
+  }
+  return ParsePrometheusText(r->body);
+}
+
+Exposition ScrapeUntil(const std::string& host_port,
+                       const std::function<bool(const Exposition&)>& done,
+                       std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  Exposition last;
+  while (true) {
+    absl::StatusOr<Exposition> e = ScrapeMetrics(host_port);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return last;
+    last = *std::move(e);
+    if (done(last) || std::chrono::steady_clock::now() > deadline) return last;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace logitserve::testing

@@ -31,7 +31,6 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "httplib.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
@@ -43,6 +42,8 @@ namespace {
 using ::logitserve::testing::Exposition;
 using ::logitserve::testing::FloatTensor;
 using ::logitserve::testing::IdTensor;
+using ::logitserve::testing::ScrapeMetrics;
+using ::logitserve::testing::ScrapeUntil;
 using ::logitserve::testing::ServerProcess;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -256,22 +257,6 @@ struct RawClient {
 // ---------------------------------------------------------------------------------------------
 // Metrics scraping.
 
-absl::StatusOr<Exposition> Scrape(const std::string& metrics_address) {
-  const size_t colon = metrics_address.rfind(':');
-  if (colon == std::string::npos) return absl::InvalidArgumentError("no metrics address");
-  httplib::Client http(metrics_address.substr(0, colon),
-                       std::stoi(metrics_address.substr(colon + 1)));
-  http.set_connection_timeout(10);
-  http.set_read_timeout(10);
-  httplib::Result r = http.Get("/metrics");
-  if (!r) return absl::UnavailableError("scrape failed: " + httplib::to_string(r.error()));
-  if (r->status != 200) return absl::InternalError(absl::StrCat("HTTP ", r->status));
-  if (r->get_header_value("Content-Type").find("text/plain; version=0.0.4") == std::string::npos) {
-    return absl::InternalError("Content-Type " + r->get_header_value("Content-Type"));
-  }
-  return testing::ParsePrometheusText(r->body);
-}
-
 // A sample value, 0 when the series does not exist yet (a counter never incremented).
 double ValueOr0(const Exposition& e, const std::string& name, const testing::Labels& labels = {}) {
   return testing::SampleValue(e, name, labels).value_or(0.0);
@@ -279,22 +264,6 @@ double ValueOr0(const Exposition& e, const std::string& name, const testing::Lab
 
 double Requests(const Exposition& e, const std::string& method, const std::string& code) {
   return ValueOr0(e, "logitserve_requests_total", {{"method", method}, {"code", code}});
-}
-
-// Scrapes until `done` holds (metrics of a call may be recorded just after its response left)
-// or 20 s passed; returns the last scrape. Not a timing assertion: the bound only stops a hang.
-Exposition ScrapeUntil(const std::string& address,
-                       const std::function<bool(const Exposition&)>& done) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  Exposition last;
-  while (true) {
-    absl::StatusOr<Exposition> e = Scrape(address);
-    EXPECT_TRUE(e.ok()) << e.status();
-    if (!e.ok()) return last;
-    last = *std::move(e);
-    if (done(last) || std::chrono::steady_clock::now() > deadline) return last;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,7 +517,7 @@ TEST(MetricsE2eTest, CountsRequestsByMethodAndCodeAndTokensScored) {
   std::unique_ptr<ServerProcess> server = StartServer({"--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(server, nullptr);
   ASSERT_THAT(server->metrics_address(), HasSubstr("127.0.0.1:"));
-  absl::StatusOr<Exposition> before = Scrape(server->metrics_address());
+  absl::StatusOr<Exposition> before = ScrapeMetrics(server->metrics_address());
   ASSERT_TRUE(before.ok()) << before.status();
   for (const auto& [name, family] : *before) {
     EXPECT_EQ(name.rfind("logitserve_", 0), 0u) << name;

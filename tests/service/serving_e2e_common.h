@@ -25,7 +25,6 @@
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "httplib.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "tests/service/e2e_support.h"
 #include "tests/service/prometheus_text.h"
@@ -37,6 +36,10 @@ namespace logitserve::e2e::serving {
 using ::logitserve::testing::Exposition;
 using ::logitserve::testing::FloatTensor;
 using ::logitserve::testing::IdTensor;
+using ::logitserve::testing::Normal;
+using ::logitserve::testing::RandomIds;
+using ::logitserve::testing::ScrapeMetrics;
+using ::logitserve::testing::ScrapeUntil;
 using ::logitserve::testing::ServerProcess;
 using Clock = std::chrono::steady_clock;
 
@@ -46,22 +49,6 @@ using Clock = std::chrono::steady_clock;
 // (A backend with larger tiles only shortens that floor: the bounds below would then pass more
 // easily, never fail spuriously.)
 inline constexpr int64_t kRowTile = 64;
-
-inline std::vector<float> Normal(int64_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, stddev);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-inline std::vector<int64_t> RandomIds(int64_t n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int64_t> dist(0, vocab - 1);
-  std::vector<int64_t> v(static_cast<size_t>(n));
-  for (int64_t& x : v) x = dist(rng);
-  return v;
-}
 
 inline const HeadMap& ReferenceHeads() {
   static const auto* heads = new HeadMap{{kPolicy.name, ReferenceHead(kPolicy)},
@@ -78,11 +65,10 @@ inline std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>
       "--synthetic-head", kSmall.Flag(),  "--threads",        "2",
       "--metrics-listen", "127.0.0.1:0"};
   args.insert(args.end(), extra.begin(), extra.end());
-  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(args);
-  EXPECT_TRUE(server.ok()) << server.status();
-  if (!server.ok()) return nullptr;
-  EXPECT_FALSE((*server)->metrics_address().empty());
-  return *std::move(server);
+  std::unique_ptr<ServerProcess> server = StartServerProcess(std::move(args));
+  if (server == nullptr) return nullptr;
+  EXPECT_FALSE(server->metrics_address().empty());
+  return server;
 }
 
 // `n` rows of hidden states for "policy" in `dtype`, ids [n], entropy and top-4: the common
@@ -161,40 +147,10 @@ inline void ExpectBitwiseEqual(const v1::ScoreResponse& got, const v1::ScoreResp
 // ---------------------------------------------------------------------------------------------
 // Metrics.
 
-inline absl::StatusOr<Exposition> Scrape(const std::string& metrics_address) {
-  const size_t colon = metrics_address.rfind(':');
-  if (colon == std::string::npos) return absl::InvalidArgumentError("no metrics address");
-  httplib::Client http(metrics_address.substr(0, colon),
-                       std::stoi(metrics_address.substr(colon + 1)));
-  http.set_connection_timeout(10);
-  http.set_read_timeout(10);
-  httplib::Result r = http.Get("/metrics");
-  if (!r) return absl::UnavailableError("scrape failed: " + httplib::to_string(r.error()));
-  if (r->status != 200) return absl::InternalError(absl::StrCat("HTTP ", r->status));
-  return testing::ParsePrometheusText(r->body);
-}
-
 // A sample's value, 0 when the series does not exist yet (a counter never incremented).
 inline double Value(const Exposition& e, const std::string& name,
                     const testing::Labels& labels = {}) {
   return testing::SampleValue(e, name, labels).value_or(0.0);
-}
-
-// Scrapes until `done` holds or `limit` passed; returns the last scrape. The limit only stops a
-// hang (the caller asserts the condition afterwards); it is not a timing assertion.
-inline Exposition ScrapeUntil(const std::string& address,
-                              const std::function<bool(const Exposition&)>& done,
-                              std::chrono::milliseconds limit = std::chrono::seconds(20)) {
-  const Clock::time_point deadline = Clock::now() + limit;
-  Exposition last;
-  while (true) {
-    absl::StatusOr<Exposition> e = Scrape(address);
-    EXPECT_TRUE(e.ok()) << e.status();
-    if (!e.ok()) return last;
-    last = *std::move(e);
-    if (done(last) || Clock::now() > deadline) return last;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
 }
 
 inline double InFlight(const Exposition& e) { return Value(e, "logitserve_requests_in_flight"); }

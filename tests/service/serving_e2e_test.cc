@@ -360,7 +360,7 @@ TEST(ScoreStreamE2eTest, ClientCancelMidStreamStopsItsWorkAndTheServerKeepsServi
   EXPECT_TRUE(health_status.ok()) << health_status.error_message();
 
   ExpectCallStatesBalanced(server->metrics_address(), 2);
-  absl::StatusOr<Exposition> scraped = Scrape(server->metrics_address());
+  absl::StatusOr<Exposition> scraped = ScrapeMetrics(server->metrics_address());
   ASSERT_TRUE(scraped.ok()) << scraped.status();
   const Exposition& e = *scraped;
   // Launched: the first stream request (then stopped) and `next`; the 19 queued ones never were.

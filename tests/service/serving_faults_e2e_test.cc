@@ -102,7 +102,7 @@ TEST(DeadlineE2eTest, ExpiredRequestStopsAtTheNextRowTile) {
   EXPECT_LT(elapsed, 4.0) << "the expired request was not stopped before its remaining tiles";
 
   ExpectCallStatesBalanced(server->metrics_address(), 3);
-  absl::StatusOr<Exposition> e = Scrape(server->metrics_address());
+  absl::StatusOr<Exposition> e = ScrapeMetrics(server->metrics_address());
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(TokensScored(*e), 4) << "only the two `next` calls scored tokens";
 }
@@ -135,7 +135,7 @@ TEST(DeadlineE2eTest, ExpiredOrCancelledWhileQueuedIsNeverLaunched) {
 
   // Everything answered: only the long request ever reached the backend.
   ExpectCallStatesBalanced(server->metrics_address(), 3);
-  absl::StatusOr<Exposition> e = Scrape(server->metrics_address());
+  absl::StatusOr<Exposition> e = ScrapeMetrics(server->metrics_address());
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(BatchesLaunched(*e), 1);
   EXPECT_EQ(RowsLaunched(*e), kLongRows) << "an expired or cancelled request was launched";
@@ -261,7 +261,7 @@ TEST(AdmissionE2eTest, QueueDepthGaugeIsZeroWhileNothingWaits) {
     // 100 tiles of >= 50 ms: computing until cancelled.
     BackgroundCall running(*stub, PolicyRequest(100 * kRowTile, 80 + i, "running"));
     ASSERT_NO_FATAL_FAILURE(WaitForInFlight(*server, 1));
-    absl::StatusOr<Exposition> e = Scrape(server->metrics_address());
+    absl::StatusOr<Exposition> e = ScrapeMetrics(server->metrics_address());
     ASSERT_TRUE(e.ok()) << e.status();
     EXPECT_EQ(QueueDepth(*e), 0) << "the queue-depth gauge is stale: nothing waits";
     running.Cancel();

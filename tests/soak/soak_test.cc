@@ -12,7 +12,6 @@
 //     same number of INVALID_ARGUMENT and NOT_FOUND Score calls as the clients received.
 // LOGITSERVE_SOAK_SECONDS overrides the length (warm-up is a third of it).
 #include <grpcpp/grpcpp.h>
-#include <httplib.h>
 
 #include <algorithm>
 #include <array>
@@ -122,21 +121,6 @@ int64_t ReadRss(pid_t pid) {
     }
   }
   return -1;
-}
-
-absl::StatusOr<testing::Exposition> Scrape(const std::string& host_port) {
-  const size_t colon = host_port.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad metrics address '", host_port, "'"));
-  }
-  httplib::Client client(host_port.substr(0, colon), port);
-  client.set_read_timeout(5, 0);
-  httplib::Result r = client.Get("/metrics");
-  if (!r || r->status != 200) {
-    return absl::UnavailableError(absl::StrCat("GET http://", host_port, "/metrics failed"));
-  }
-  return testing::ParsePrometheusText(r->body);
 }
 
 // Per-thread tallies, merged at the end.
@@ -467,7 +451,7 @@ TEST(SoakTest, MixedTrafficKeepsStatusesMemoryHealthAndCallStatesInCheck) {
   absl::StatusOr<testing::Exposition> metrics;
   std::optional<double> created, released;
   for (int attempt = 0; attempt < 100; ++attempt) {
-    metrics = Scrape(server->metrics_address());
+    metrics = testing::ScrapeMetrics(server->metrics_address());
     ASSERT_TRUE(metrics.ok()) << metrics.status();
     created = testing::SampleValue(*metrics, "logitserve_call_states_created_total");
     released = testing::SampleValue(*metrics, "logitserve_call_states_released_total");

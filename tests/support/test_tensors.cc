@@ -1,6 +1,7 @@
 #include "tests/support/test_tensors.h"
 
 #include <cstring>
+#include <random>
 #include <string>
 
 #include "logitserve/kernels/dtype.h"
@@ -74,6 +75,22 @@ v1::Tensor IdTensor(v1::DType dtype, std::span<const int64_t> ids,
     }
   }
   return t;
+}
+
+std::vector<float> Normal(int64_t n, uint32_t seed, float stddev) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+std::vector<int64_t> RandomIds(int64_t n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> dist(0, vocab - 1);
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  for (int64_t& x : v) x = dist(rng);
+  return v;
 }
 
 }  // namespace logitserve::testing
