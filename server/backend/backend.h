@@ -70,11 +70,15 @@ struct ScoreJob {
   bool forward_kl = false;  // KL(reference || model)
   bool reverse_kl = false;  // KL(model || reference)
   std::optional<float> jsd_beta;
-  // Optional: called before every row tile (on every rank); a non-OK status (CANCELLED,
-  // DEADLINE_EXCEEDED) stops the job on every rank at that tile and Score returns it. The
-  // scheduler uses it so that cancelled or expired work stops launching tiles.
-  std::function<absl::Status()> stop;
-  absl::Status CheckStop() const { return stop ? stop() : absl::OkStatus(); }
+  // Optional: called before every row tile on every rank (concurrently: it must be thread-safe)
+  // with the tile's row count; a non-OK status (CANCELLED, DEADLINE_EXCEEDED) stops the job on
+  // every rank at that tile and Score returns it. The scheduler uses it so that cancelled or
+  // expired work stops launching tiles; tile sizes differ by backend (CPU 64 rows; CUDA 512 in
+  // hidden mode, up to 8192 in logits mode).
+  std::function<absl::Status(int64_t tile_rows)> stop;
+  absl::Status CheckStop(int64_t tile_rows) const {
+    return stop ? stop(tile_rows) : absl::OkStatus();
+  }
   bool NeedsReference() const {
     return reference_entropy || forward_kl || reverse_kl || jsd_beta.has_value();
   }

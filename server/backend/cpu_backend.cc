@@ -534,7 +534,7 @@ absl::Status RankWorker::Run() {
   for (int64_t row0 = 0; row0 < job_.rows; row0 += kRowTile) {
     const int64_t rows = std::min(kRowTile, job_.rows - row0);
     // A stop (cancelled / expired) travels like a failure: every rank ends at this tile.
-    absl::Status s = job_.CheckStop();
+    absl::Status s = job_.CheckStop(rows);
     if (s.ok()) s = ComputeTile(row0, rows);
     // Every rank joins every exchange even after a local failure, and the exchange carries the
     // failure, so all ranks stop at the same point and none is left waiting in a collective.

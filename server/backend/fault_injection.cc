@@ -1,5 +1,6 @@
 #include "server/backend/fault_injection.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -43,9 +44,12 @@ class FaultInjectingBackend final : public Backend {
     }
     if (slow_tile_ms_ <= 0) return inner_->Score(job, result);
     ScoreJob slow = job;
-    slow.stop = [&job, ms = slow_tile_ms_] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      return job.CheckStop();
+    // MS per 64 rows of the tile, so a request takes as long on every backend whatever its tile
+    // size (64 rows on the CPU, 512 or more on CUDA); tests then reason about rows, not tiles.
+    slow.stop = [&job, ms = slow_tile_ms_](int64_t tile_rows) {
+      const int64_t units = std::max<int64_t>(1, (tile_rows + 63) / 64);
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms * units));
+      return job.CheckStop(tile_rows);
     };
     return inner_->Score(slow, result);
   }

@@ -3,8 +3,9 @@
 //   fatal-after:N   the first N Score calls run normally; every later one fails with INTERNAL and
 //                   Health() reports the fatal error from then on (a stand-in for a sticky device
 //                   error: the server must go NOT_SERVING, fail in-flight work and exit non-zero).
-//   slow-tile:MS    sleeps MS milliseconds before every row tile, so cancellation, deadline and
-//                   drain tests can catch a computation in flight.
+//   slow-tile:MS    before every row tile, sleeps MS milliseconds per 64 rows of the tile (so
+//                   the time per row is the same on every backend), so cancellation, deadline
+//                   and drain tests can catch a computation in flight.
 // Never enable it in production: it exists to be tested against.
 //
 // Thread safety: as the wrapped backend.

@@ -230,7 +230,9 @@ void Scheduler::Compute(const std::vector<Queued*>& members, std::vector<absl::S
                         std::vector<ScoreResult>* results) {
   const auto run_alone = [&](size_t i) {
     ScoreJob& job = members[i]->item.job;
-    job.stop = members[i]->item.stop;
+    if (members[i]->item.stop) {
+      job.stop = [stop = members[i]->item.stop](int64_t) { return stop(); };
+    }
     (*status)[i] = backend_->Score(job, &(*results)[i]);
   };
   if (members.size() == 1) {
@@ -243,7 +245,7 @@ void Scheduler::Compute(const std::vector<Queued*>& members, std::vector<absl::S
   MergedInputs storage;
   ScoreJob merged = MergeJobs(parts, &storage);
   // The batch goes on while any member still wants its result.
-  merged.stop = [&members]() -> absl::Status {
+  merged.stop = [&members](int64_t) -> absl::Status {
     absl::Status first;
     for (const Queued* q : members) {
       absl::Status s = q->item.stop ? q->item.stop() : absl::OkStatus();

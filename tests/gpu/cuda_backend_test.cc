@@ -758,7 +758,7 @@ TEST(CudaErrors, StopBeforeARowTileEndsTheJobOnEveryRankAndTheBackendRecovers) {
       // Not stopped: one call per tile per rank, before it.
       {
         std::atomic<int64_t> calls{0};
-        w.job.job.stop = [&calls]() {
+        w.job.job.stop = [&calls](int64_t) {
           ++calls;
           return absl::OkStatus();
         };
@@ -773,7 +773,7 @@ TEST(CudaErrors, StopBeforeARowTileEndsTheJobOnEveryRankAndTheBackendRecovers) {
                        absl::StatusCodeToString(code));
           std::atomic<int64_t> calls{0};
           const int64_t ok_calls = k * c.shards;
-          w.job.job.stop = [&calls, ok_calls, code]() {
+          w.job.job.stop = [&calls, ok_calls, code](int64_t) {
             return ++calls > ok_calls ? absl::Status(code, "stopped by the test")
                                       : absl::OkStatus();
           };

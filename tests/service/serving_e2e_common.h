@@ -43,11 +43,10 @@ using ::logitserve::testing::ScrapeUntil;
 using ::logitserve::testing::ServerProcess;
 using Clock = std::chrono::steady_clock;
 
-// Rows of one CPU-backend row tile (server/backend/cpu_tile_gemm.h kRowTile): the unit at which
-// --test-fault slow-tile sleeps and the server checks for stops. A request of `t * kRowTile`
-// rows sleeps t times, so with slow-tile:MS it cannot finish in less than t * MS milliseconds.
-// (A backend with larger tiles only shortens that floor: the bounds below would then pass more
-// easily, never fail spuriously.)
+// The row unit of --test-fault slow-tile:MS, which sleeps MS per 64 rows before every row tile
+// (server/backend/fault_injection.h), on every backend: a request of `t * kRowTile` rows cannot
+// finish in less than t * MS milliseconds. Stops are checked before every backend row tile (64
+// rows on the CPU, 512 in CUDA hidden mode), so a stop lands within one tile's sleep.
 inline constexpr int64_t kRowTile = 64;
 
 inline const HeadMap& ReferenceHeads() {

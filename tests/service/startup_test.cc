@@ -140,8 +140,8 @@ TEST(ShutdownTest, SigtermAndSigintExitZero) {
 }
 
 TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
-  // Every row tile sleeps 100 ms first (--test-fault slow-tile), so a request of 10 row tiles of
-  // 64 rows computes for >= 1 s on any backend, however fast: SIGTERM 300 ms after sending lands
+  // --test-fault slow-tile:100 sleeps 100 ms per 64 rows before every row tile, so a request of
+  // 640 rows computes for >= 1 s on any backend, however fast: SIGTERM 300 ms after sending lands
   // while it computes (the 160 KiB request arrives in milliseconds on loopback).
   const SyntheticHead big{"big", 4096, 128, 5};
   absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(

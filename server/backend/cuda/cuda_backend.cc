@@ -771,7 +771,7 @@ absl::Status RankWorker::Run() {
     }
     // A stop (cancelled / expired) travels like a failure: every rank ends at this tile, and
     // nothing of it has been queued.
-    if (local.ok()) note(job_.CheckStop());
+    if (local.ok()) note(job_.CheckStop(rows));
     if (local.ok()) note(ComputeTile(row0, rows));
     if (stop()) return local;
     gather(send_, recv_, plan_.msg.bytes);
