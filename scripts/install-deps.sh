@@ -9,7 +9,7 @@ PACKAGES=(
   libabsl-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libssl-dev
   libhwy-dev libdnnl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-numpy python3-grpcio python3-protobuf python3-pytest python3-pip python3-venv
+  python3 python3-numpy python3-grpcio python3-protobuf python3-pytest python3-pip python3-venv python3-wheel
   python3-setuptools python3-yaml yamllint libopenblas0-pthread
   clang-14 libfuzzer-14-dev openssl curl
 )
