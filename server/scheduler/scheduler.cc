@@ -158,7 +158,7 @@ bool Scheduler::BackendFailed() {
 }
 
 void Scheduler::Finish(Queued& q, absl::Status status, ScoreResult result, const Timing& timing) {
-  q.item.done(std::move(status), std::move(result), timing);
+  q.item.done(std::move(status), std::move(result), q.item.job, timing);
   absl::MutexLock lock(&mu_);
   bytes_in_flight_ -= q.bytes;
   --items_in_flight_;
@@ -189,7 +189,7 @@ void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch) {
   std::vector<Queued*> members;
   for (auto& q : batch) {
     absl::Status s = q->item.stop ? q->item.stop() : absl::OkStatus();
-    if (s.ok() && q->item.precheck) s = q->item.precheck();
+    if (s.ok() && q->item.precheck) s = q->item.precheck(q->item.job);
     if (!s.ok()) {
       finish_now(*q, std::move(s));
     } else {

@@ -71,7 +71,9 @@ class Scheduler {
     int64_t batch_requests = 0;  // members of the batch the item ran in
     int64_t batch_rows = 0;
   };
-  using Done = std::function<void(absl::Status status, ScoreResult result, const Timing& timing)>;
+  // `job` is the item's own job (still valid: the caller's views into the request included).
+  using Done = std::function<void(absl::Status status, ScoreResult result, const ScoreJob& job,
+                                  const Timing& timing)>;
 
   struct Item {
     ScoreJob job;  // validated; its views must stay valid until `done` has been called
@@ -79,7 +81,7 @@ class Scheduler {
     std::function<absl::Status()> stop;
     // Checks that need the request's bytes (e.g. the hidden-state NaN scan), run on the worker
     // before batching; a failure fails this item only. May be empty.
-    std::function<absl::Status()> precheck;
+    std::function<absl::Status(const ScoreJob& job)> precheck;
     Done done;
   };
 

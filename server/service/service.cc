@@ -121,7 +121,7 @@ void ScorerService::RecordRequest(const char* method, const grpc::Status& status
 void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
                            Completion done) {
   if (draining_.load()) {
-    done(absl::UnavailableError("server is shutting down"), {}, {}, {});
+    done(absl::UnavailableError("server is shutting down"), {}, {}, {}, {});
     return;
   }
   absl::StatusOr<ValidatedRequest> validated = ValidateScoreRequest(
@@ -129,28 +129,27 @@ void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Score
   if (!validated.ok()) {
     spdlog::debug("Score request '{}' rejected: {}", request.request_id(),
                   validated.status().ToString());
-    done(validated.status(), {}, {}, {});
+    done(validated.status(), {}, {}, {}, {});
     return;
   }
-  // The validated request (sequence lengths, versions) travels with the completion; the job
-  // moves into the scheduler's item.
-  auto state = std::make_shared<ValidatedRequest>(*std::move(validated));
+  // The job moves into the scheduler's item (which hands it back to `done`); the rest of the
+  // validated request (sequence lengths, versions) travels with the completion.
   Scheduler::Item item;
-  item.job = std::move(state->job);
-  // The scheduler's item owns the job; `state` keeps a copy of its shape for the response.
-  state->job = item.job;
+  item.job = std::move(validated->job);
+  auto state = std::make_shared<ValidatedRequest>(*std::move(validated));
   item.stop = [context] { return StopStatus(context); };
-  item.precheck = [state] { return CheckHiddenStatesFinite(state->job); };
+  item.precheck = CheckHiddenStatesFinite;
   Metrics* metrics = options_.metrics;
   item.done = [state, done, metrics, id = request.request_id()](
-                  absl::Status status, ScoreResult result, const Scheduler::Timing& timing) {
-    if (status.ok()) status = CheckResultShape(state->job, result);
+                  absl::Status status, ScoreResult result, const ScoreJob& job,
+                  const Scheduler::Timing& timing) {
+    if (status.ok()) status = CheckResultShape(job, result);
     if (metrics != nullptr) {
       metrics->AddInFlight(-1);
       metrics->ObserveQueueLatency(SecondsBetween(timing.enqueued, timing.started));
       if (status.ok()) {
         metrics->ObserveComputeLatency(SecondsBetween(timing.started, timing.finished));
-        metrics->AddTokensScored(state->job.rows);
+        metrics->AddTokensScored(job.rows);
       }
     }
     if (!status.ok()) {
@@ -161,20 +160,19 @@ void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Score
         spdlog::error("Score request '{}' failed: {}", id, status.ToString());
       }
     }
-    done(std::move(status), result, *state, timing);
+    done(std::move(status), result, job, *state, timing);
   };
   if (metrics != nullptr) metrics->AddInFlight(1);
   absl::Status admitted = scheduler_.Submit(std::move(item));
   if (!admitted.ok()) {
     if (metrics != nullptr) metrics->AddInFlight(-1);
-    done(admitted, {}, *state, {});
+    done(admitted, {}, {}, {}, {});
   }
 }
 
-void ScorerService::FillResponse(const v1::ScoreRequest& request,
+void ScorerService::FillResponse(const v1::ScoreRequest& request, const ScoreJob& job,
                                  const ValidatedRequest& validated, const ScoreResult& result,
                                  const Scheduler::Timing& timing, v1::ScoreResponse* out) {
-  const ScoreJob& job = validated.job;
   out->set_request_id(request.request_id());
   Assign(result.target_logprobs, out->mutable_target_logprobs());
   Assign(result.top_k_ids, out->mutable_top_k_ids());
@@ -211,9 +209,9 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
   }
   Submit(context, *request,
          [request, response, finish](absl::Status status, const ScoreResult& result,
-                                     const ValidatedRequest& validated,
+                                     const ScoreJob& job, const ValidatedRequest& validated,
                                      const Scheduler::Timing& timing) {
-           if (status.ok()) FillResponse(*request, validated, result, timing, response);
+           if (status.ok()) FillResponse(*request, job, validated, result, timing, response);
            finish(ToGrpcStatus(status));
          });
   return reactor;
@@ -258,11 +256,11 @@ class ScorerService::StreamReactor final
     }
     service_->Submit(context_, *request,
                      [this, request](absl::Status status, const ScoreResult& result,
-                                     const ValidatedRequest& validated,
+                                     const ScoreJob& job, const ValidatedRequest& validated,
                                      const Scheduler::Timing& timing) {
                        auto response = std::make_unique<v1::ScoreResponse>();
                        if (status.ok()) {
-                         FillResponse(*request, validated, result, timing, response.get());
+                         FillResponse(*request, job, validated, result, timing, response.get());
                        } else {
                          response->set_request_id(request->request_id());
                          response->set_status_code(static_cast<int32_t>(status.code()));

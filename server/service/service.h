@@ -86,8 +86,9 @@ class ScorerService final : public v1::Scorer::CallbackService {
  private:
   class StreamReactor;
   // What a finished request reports: the status and, when OK, the response fields.
+  // `job` and `validated` are meaningful only when `status` is OK.
   using Completion = std::function<void(absl::Status status, const ScoreResult& result,
-                                        const ValidatedRequest& validated,
+                                        const ScoreJob& job, const ValidatedRequest& validated,
                                         const Scheduler::Timing& timing)>;
 
   absl::Status Authorize(const grpc::CallbackServerContext& context, Role role) const;
@@ -96,10 +97,10 @@ class ScorerService final : public v1::Scorer::CallbackService {
   // refused, else on a scheduler worker. `request` must stay valid until `done` has run.
   void Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
               Completion done);
-  // Fills a successful response.
-  static void FillResponse(const v1::ScoreRequest& request, const ValidatedRequest& validated,
-                           const ScoreResult& result, const Scheduler::Timing& timing,
-                           v1::ScoreResponse* out);
+  // Fills a successful response (`validated` gives the sequence lengths and head versions).
+  static void FillResponse(const v1::ScoreRequest& request, const ScoreJob& job,
+                           const ValidatedRequest& validated, const ScoreResult& result,
+                           const Scheduler::Timing& timing, v1::ScoreResponse* out);
 
   Backend* const backend_;
   HeadStore* const heads_;  // LoadHead replaces heads
