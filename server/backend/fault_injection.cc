@@ -11,29 +11,22 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/backend/forwarding_backend.h"
 
 namespace logitserve {
 
 namespace {
 
-class FaultInjectingBackend final : public Backend {
+class FaultInjectingBackend final : public ForwardingBackend {
  public:
   FaultInjectingBackend(std::unique_ptr<Backend> inner, int64_t fatal_after, int64_t slow_tile_ms)
-      : inner_(std::move(inner)), fatal_after_(fatal_after), slow_tile_ms_(slow_tile_ms) {}
-
-  std::string name() const override { return inner_->name(); }
-  std::vector<ShardRange> ShardLayout(int64_t vocab) const override {
-    return inner_->ShardLayout(vocab);
-  }
-  absl::StatusOr<std::shared_ptr<const PreparedHead>> PrepareHead(
-      std::shared_ptr<const HeadWeights> weights) override {
-    return inner_->PrepareHead(std::move(weights));
-  }
-  std::vector<MemoryInfo> MemoryUsage() const override { return inner_->MemoryUsage(); }
+      : ForwardingBackend(std::move(inner)),
+        fatal_after_(fatal_after),
+        slow_tile_ms_(slow_tile_ms) {}
 
   absl::Status Health() const override {
     absl::MutexLock lock(&mu_);
-    return fatal_.ok() ? inner_->Health() : fatal_;
+    return fatal_.ok() ? inner().Health() : fatal_;
   }
 
   absl::Status Score(const ScoreJob& job, ScoreResult* result) override {
@@ -42,7 +35,7 @@ class FaultInjectingBackend final : public Backend {
       fatal_ = absl::InternalError("injected fatal device error (--test-fault fatal-after)");
       return fatal_;
     }
-    if (slow_tile_ms_ <= 0) return inner_->Score(job, result);
+    if (slow_tile_ms_ <= 0) return inner().Score(job, result);
     ScoreJob slow = job;
     // MS per 64 rows of the tile, so a request takes as long on every backend whatever its tile
     // size (64 rows on the CPU, 512 or more on CUDA); tests then reason about rows, not tiles.
@@ -51,11 +44,10 @@ class FaultInjectingBackend final : public Backend {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms * units));
       return job.CheckStop(tile_rows);
     };
-    return inner_->Score(slow, result);
+    return inner().Score(slow, result);
   }
 
  private:
-  const std::unique_ptr<Backend> inner_;
   const int64_t fatal_after_;  // -1 = never
   const int64_t slow_tile_ms_;
   std::atomic<int64_t> calls_{0};

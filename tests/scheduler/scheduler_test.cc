@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "server/backend/fault_injection.h"
+#include "server/backend/forwarding_backend.h"
 #include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
 
@@ -25,24 +26,16 @@ using testing::Share;
 
 // Wraps a backend: records every job it is given and, while `gate` is set, blocks the first job
 // until the gate opens (so later submissions queue up behind it).
-class RecordingBackend final : public Backend {
+class RecordingBackend final : public ForwardingBackend {
  public:
-  explicit RecordingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
-  std::string name() const override { return inner_->name(); }
-  std::vector<ShardRange> ShardLayout(int64_t vocab) const override {
-    return inner_->ShardLayout(vocab);
-  }
-  absl::StatusOr<std::shared_ptr<const PreparedHead>> PrepareHead(
-      std::shared_ptr<const HeadWeights> weights) override {
-    return inner_->PrepareHead(std::move(weights));
-  }
+  using ForwardingBackend::ForwardingBackend;
   absl::Status Score(const ScoreJob& job, ScoreResult* result) override {
     {
       absl::MutexLock lock(&mu_);
       rows_.push_back(job.rows);
     }
     if (gate_ != nullptr && first_.exchange(false)) gate_->WaitForNotification();
-    return inner_->Score(job, result);
+    return inner().Score(job, result);
   }
   void GateFirstJob(absl::Notification* gate) { gate_ = gate; }
   std::vector<int64_t> rows() const {
@@ -51,7 +44,6 @@ class RecordingBackend final : public Backend {
   }
 
  private:
-  std::unique_ptr<Backend> inner_;
   absl::Notification* gate_ = nullptr;
   std::atomic<bool> first_{true};
   mutable absl::Mutex mu_;
@@ -80,7 +72,7 @@ struct Outcome {
 Scheduler::Item ItemFor(const OwnedJob& job, Outcome* out) {
   Scheduler::Item item;
   item.job = job.job;
-  item.done = [out](absl::Status s, ScoreResult r, const Scheduler::Timing& t) {
+  item.done = [out](absl::Status s, ScoreResult r, const ScoreJob&, const Scheduler::Timing& t) {
     out->status = std::move(s);
     out->result = std::move(r);
     out->timing = t;
