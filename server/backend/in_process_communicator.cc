@@ -10,33 +10,9 @@
 namespace logitserve {
 namespace {
 
-class Group {
- public:
-  explicit Group(int size) : size_(size), barrier_(size), slots_(static_cast<size_t>(size)) {}
-
-  // Blocks until all ranks have arrived at this barrier.
-  void Barrier() { barrier_.Wait(); }
-
-  void Deposit(int rank, const void* data, size_t bytes) {
-    absl::MutexLock lock(&mu_);
-    slots_[static_cast<size_t>(rank)] = {data, bytes};
-  }
-  std::pair<const void*, size_t> Slot(int rank) {
-    absl::MutexLock lock(&mu_);
-    return slots_[static_cast<size_t>(rank)];
-  }
-  int size() const { return size_; }
-
- private:
-  const int size_;
-  HostBarrier barrier_;
-  absl::Mutex mu_;
-  std::vector<std::pair<const void*, size_t>> slots_ ABSL_GUARDED_BY(mu_);
-};
-
 class InProcessCommunicator final : public Communicator {
  public:
-  InProcessCommunicator(std::shared_ptr<Group> group, int rank)
+  InProcessCommunicator(std::shared_ptr<HostExchange> group, int rank)
       : group_(std::move(group)), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return group_->size(); }
@@ -47,7 +23,7 @@ class InProcessCommunicator final : public Communicator {
       return absl::OkStatus();
     }
     group_->Deposit(rank_, send, bytes);
-    group_->Barrier();  // every rank's send buffer is published
+    group_->Wait();  // every rank's send buffer is published
     absl::Status status = absl::OkStatus();
     for (int r = 0; r < group_->size(); ++r) {
       const auto [data, n] = group_->Slot(r);
@@ -57,12 +33,12 @@ class InProcessCommunicator final : public Communicator {
       }
       if (bytes > 0) std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes, data, bytes);
     }
-    group_->Barrier();  // nobody reuses its send buffer before every rank has read it
+    group_->Wait();  // nobody reuses its send buffer before every rank has read it
     return status;
   }
 
  private:
-  std::shared_ptr<Group> group_;
+  std::shared_ptr<HostExchange> group_;
   int rank_;
 };
 
@@ -70,7 +46,7 @@ class InProcessCommunicator final : public Communicator {
 
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateInProcessCommunicators(int size) {
   if (size < 1) return absl::InvalidArgumentError("communicator size must be >= 1");
-  auto group = std::make_shared<Group>(size);
+  auto group = std::make_shared<HostExchange>(size);
   std::vector<std::unique_ptr<Communicator>> comms;
   for (int r = 0; r < size; ++r) comms.push_back(std::make_unique<InProcessCommunicator>(group, r));
   return comms;

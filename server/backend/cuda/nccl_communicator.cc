@@ -155,28 +155,9 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateNcclCommunicato
 
 namespace {
 
-class CopyGroup {
- public:
-  explicit CopyGroup(int size) : barrier_(size), slots_(static_cast<size_t>(size)) {}
-  HostBarrier& barrier() { return barrier_; }
-  void Deposit(int rank, const void* data, size_t bytes) {
-    absl::MutexLock lock(&mu_);
-    slots_[static_cast<size_t>(rank)] = {data, bytes};
-  }
-  std::pair<const void*, size_t> Slot(int rank) {
-    absl::MutexLock lock(&mu_);
-    return slots_[static_cast<size_t>(rank)];
-  }
-
- private:
-  HostBarrier barrier_;
-  absl::Mutex mu_;
-  std::vector<std::pair<const void*, size_t>> slots_ ABSL_GUARDED_BY(mu_);
-};
-
 class DeviceCopyCommunicator final : public Communicator {
  public:
-  DeviceCopyCommunicator(std::shared_ptr<CopyGroup> group, int device, int rank, int size,
+  DeviceCopyCommunicator(std::shared_ptr<HostExchange> group, int device, int rank, int size,
                          cudaStream_t stream)
       : group_(std::move(group)), device_(device), rank_(rank), size_(size), stream_(stream) {}
   int rank() const override { return rank_; }
@@ -188,7 +169,7 @@ class DeviceCopyCommunicator final : public Communicator {
     absl::Status status =
         CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", __FILE__, __LINE__);
     group_->Deposit(rank_, send, bytes);
-    group_->barrier().Wait();  // every rank's send buffer is complete and published
+    group_->Wait();  // every rank's send buffer is complete and published
     for (int r = 0; r < size_ && status.ok(); ++r) {
       const auto [data, n] = group_->Slot(r);
       if (n != bytes) {
@@ -204,12 +185,12 @@ class DeviceCopyCommunicator final : public Communicator {
     }
     const absl::Status done =
         CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", __FILE__, __LINE__);
-    group_->barrier().Wait();  // nobody reuses its send buffer before every rank has copied it
+    group_->Wait();  // nobody reuses its send buffer before every rank has copied it
     return status.ok() ? done : status;
   }
 
  private:
-  std::shared_ptr<CopyGroup> group_;
+  std::shared_ptr<HostExchange> group_;
   int device_;
   int rank_;
   int size_;
@@ -224,7 +205,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateDeviceCopyCommu
   if (n < 1 || streams.size() != devices.size()) {
     return absl::InvalidArgumentError("CreateDeviceCopyCommunicators: one stream per rank");
   }
-  auto group = std::make_shared<CopyGroup>(n);
+  auto group = std::make_shared<HostExchange>(n);
   std::vector<std::unique_ptr<Communicator>> out;
   for (int r = 0; r < n; ++r) {
     out.push_back(std::make_unique<DeviceCopyCommunicator>(group, devices[static_cast<size_t>(r)],
