@@ -27,6 +27,7 @@
 #include "logitserve/kernels/cpu_kernels.h"
 #include "logitserve/kernels/dtype.h"
 #include "tests/gpu/gpu_test_env.h"
+#include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
 
 namespace logitserve::testing {
@@ -85,14 +86,6 @@ class DeviceArray {
   T* p_ = nullptr;
   size_t n_;
 };
-
-std::string Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.9g (0x%08x)", static_cast<double>(x), u);
-  return buf;
-}
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 

@@ -82,13 +82,6 @@ class Reporter {
   return r;
 }
 
-std::string Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.9g (0x%08x)", static_cast<double>(x), u);
-  return buf;
-}
 
 template <typename T>
 void ExpectSameBits(const std::string& output, const std::vector<T>& a, size_t a0,
@@ -520,6 +513,14 @@ void RecordErrorRatio(const std::string& output, double ratio) {
   std::lock_guard<std::mutex> lock(StatsMutex());
   double& r = Stats()[output];
   r = std::max(r, ratio);
+}
+
+std::string Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g (0x%08x)", static_cast<double>(x), u);
+  return buf;
 }
 
 }  // namespace logitserve::testing

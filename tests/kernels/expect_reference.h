@@ -94,6 +94,9 @@ void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64
                                       const ScoreResult& sums,
                                       std::span<const int64_t> token_count, bool means = false);
 
+// `x` with its bit pattern, e.g. "0.5 (0x3f000000)", for failure messages.
+std::string Bits(float x);
+
 // Every output of a and b identical bit for bit (sizes included).
 void ExpectBitwiseEqual(const ScoreResult& a, const ScoreResult& b);
 
