@@ -39,6 +39,17 @@ std::string HeadLabel(const std::string& name, uint64_t version) {
   return version == 0 ? name : fmt::format("{} (v{})", name, version);
 }
 
+// The outputs ScoreOutput and SequenceStatsOutput both hold, under the same names.
+template <typename Outputs>
+void PutPerTokenArrays(nlohmann::ordered_json& obj, const Outputs& x) {
+  PutArray(obj, "target_logprobs", x.target_logprobs);
+  PutArray(obj, "entropy", x.entropy);
+  PutArray(obj, "reference_entropy", x.reference_entropy);
+  PutArray(obj, "forward_kl", x.forward_kl);
+  PutArray(obj, "reverse_kl", x.reverse_kl);
+  PutArray(obj, "jsd", x.jsd);
+}
+
 }  // namespace
 
 std::string FormatScoreTable(const v1::ScoreRequest& request, const ScoreOutput& out) {
@@ -158,26 +169,15 @@ nlohmann::ordered_json ScoreToJson(const ScoreOutput& out) {
   j["rows"] = out.rows;
   j["target_ids_per_row"] = out.target_ids_per_row;
   j["top_k"] = out.top_k;
-  PutArray(j, "target_logprobs", out.target_logprobs);
+  PutPerTokenArrays(j, out);
   PutArray(j, "top_k_ids", out.top_k_ids);
   PutArray(j, "top_k_logprobs", out.top_k_logprobs);
-  PutArray(j, "entropy", out.entropy);
-  PutArray(j, "reference_entropy", out.reference_entropy);
-  PutArray(j, "forward_kl", out.forward_kl);
-  PutArray(j, "reverse_kl", out.reverse_kl);
-  PutArray(j, "jsd", out.jsd);
   for (const auto& [name, stats] : {std::pair{"sequence_sums", &out.sequence_sums},
                                     std::pair{"sequence_means", &out.sequence_means}}) {
     if (!stats->has_value()) continue;
-    const SequenceStatsOutput& in = **stats;
     nlohmann::ordered_json obj = nlohmann::ordered_json::object();
-    PutArray(obj, "target_logprobs", in.target_logprobs);
-    PutArray(obj, "entropy", in.entropy);
-    PutArray(obj, "reference_entropy", in.reference_entropy);
-    PutArray(obj, "forward_kl", in.forward_kl);
-    PutArray(obj, "reverse_kl", in.reverse_kl);
-    PutArray(obj, "jsd", in.jsd);
-    PutArray(obj, "token_count", in.token_count);
+    PutPerTokenArrays(obj, **stats);
+    PutArray(obj, "token_count", (*stats)->token_count);
     j[name] = std::move(obj);
   }
   j["head_version"] = out.head_version;
