@@ -34,7 +34,9 @@ void ExpectFaultEndsTheServer(const std::string& fault) {
   auto stub = v1::Scorer::NewStub(e2e::Connect((*server)->address()));
   v1::ScoreRequest request;
   request.set_head(e2e::kPolicy.name);
-  const int64_t rows = 8;
+  // Three 512-row tiles: skip-collective skips a job's gathers after its first, so the job needs
+  // more than one row tile (and so more than one gather) for the fault to bite.
+  const int64_t rows = 1100;
   std::vector<float> hidden(static_cast<size_t>(rows * e2e::kPolicy.hidden), 0.25f);
   *request.mutable_hidden() = testing::FloatTensor(v1::BFLOAT16, hidden, {rows, e2e::kPolicy.hidden});
   request.set_entropy(true);
