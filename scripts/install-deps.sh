@@ -11,7 +11,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-grpcio python3-protobuf python3-pytest python3-pip python3-venv python3-wheel
   python3-setuptools python3-yaml yamllint libopenblas0-pthread
-  clang-14 libfuzzer-14-dev openssl curl
+  clang-14 libclang-rt-14-dev libfuzzer-14-dev openssl curl
 )
 
 missing=()
