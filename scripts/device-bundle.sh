@@ -52,7 +52,7 @@ for t in "${targets[@]}"; do
   cp "$f" "$BUNDLE/bin/"
   strip --strip-unneeded "$BUNDLE/bin/$t"
 done
-cp bench/cuda/torch_baseline.py "$BUNDLE/bench/" 2>/dev/null || true
+cp bench/cuda/torch_baseline.py bench/cuda/triton_peer.py "$BUNDLE/bench/"
 
 # Shared libraries: everything ldd resolves, minus the system's own C/C++ runtime and NCCL.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libmvec\.|libpthread\.|libdl\.|librt\.|libresolv\.|libutil\.|libanl\.|libnsl\.|libBrokenLocale\.|libnss_|libstdc\+\+\.|libgcc_s\.|libnccl\.)'

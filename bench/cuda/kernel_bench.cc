@@ -470,9 +470,11 @@ int main(int argc, char** argv) {
 
     // host_inputs: the hidden states in pageable host memory, as the service hands them over
     // (copied per row tile), instead of resident on GPU 0.
-    auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs) -> double {
+    auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
+                           bool overlap = true) -> double {
       logitserve::CudaBackendOptions options;
       options.devices = devs;
+      options.overlap_hidden_gemms = overlap;
       const double free_before = FreeDeviceBytes(0);
       auto backend = logitserve::CreateCudaBackend(options);
       if (!backend.ok()) {
@@ -599,6 +601,7 @@ int main(int argc, char** argv) {
       cublasLtDestroy(lt);
     }
     const double one = run_backend({0}, "1 GPU", false);
+    run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false);
     run_backend({0}, "1 GPU, host hidden states", true);
     if (devices >= 2) {
       const double two = run_backend({0, 1}, "2 GPUs", false);

@@ -17,6 +17,12 @@ import math
 
 import torch
 
+try:  # the Triton peer (triton_peer.py beside this file)
+    import triton_peer
+except ImportError as e:  # no Triton: the peer rows print as missing
+    triton_peer = None
+    print(f"triton peer unavailable: {e}")
+
 
 def best_ms(fn, iters, warmup=2):
     for _ in range(warmup):
@@ -131,6 +137,22 @@ def main():
               f"{eager / floor:8.2f} {comp / floor:8.2f}")
         out["logits"].append({"op": name, "eager_ms": eager, "eager_extra_mb": eager_mb,
                               "compile_ms": comp, "compile_extra_mb": comp_mb, "floor_ms": floor})
+    if triton_peer is not None:
+        # Checked against eager fp32 torch on the same inputs before timing.
+        lp_t, ent_t = triton_peer.lp_entropy(a, ids)
+        _, e_a, e_b, fwd_t, rev_t = triton_peer.pair_stats(a, b, ids)
+        fwd_ref, rev_ref = kl_both(a, b)
+        err = max((lp_t - logprobs(a, ids)).abs().max().item(),
+                  (ent_t - entropy(a)).abs().max().item(),
+                  (e_b - entropy(b)).abs().max().item(),
+                  (fwd_t - fwd_ref).abs().max().item(), (rev_t - rev_ref).abs().max().item())
+        t1 = best_ms(lambda: triton_peer.lp_entropy(a, ids), args.iters)
+        t2 = best_ms(lambda: triton_peer.pair_stats(a, b, ids), args.iters)
+        print(f"triton peer (one program per row, chunk {triton_peer.BLOCK}; max |err| vs eager "
+              f"{err:.2e}):")
+        print(f"{'logprobs+entropy':18s} {t1:9.3f} ms  {t1 / one_read:6.2f} x one read")
+        print(f"{'kl (fwd+rev)+ent':18s} {t2:9.3f} ms  {t2 / (2 * one_read):6.2f} x two reads")
+        out["triton"] = {"lp_entropy_ms": t1, "pair_ms": t2, "max_abs_err": err}
     del a, b
     torch.cuda.empty_cache()
 
@@ -150,6 +172,15 @@ def main():
         print(f"eager   matmuls + logprobs + entropy x2 + KL: {eager:.3f} ms = {eager / bare:.2f} x bare, "
               f"extra {eager_mb:.0f} MB")
         out["hidden"] = {"bare_ms": bare, "eager_ms": eager, "eager_extra_mb": eager_mb}
+        if triton_peer is not None:
+            ref = hidden_ops(h1, w1, h2, w2, hids)
+            got = triton_peer.hidden_stock_parts(h1, w1, h2, w2, hids)
+            err = max((x - y).abs().max().item() for x, y in zip(got, ref))
+            sp = best_ms(lambda: triton_peer.hidden_stock_parts(h1, w1, h2, w2, hids), iters)
+            sp_mb = peak_extra_mb(lambda: triton_peer.hidden_stock_parts(h1, w1, h2, w2, hids))
+            print(f"stock parts (matmul bf16 tiles of 512 rows + triton): {sp:.3f} ms = "
+                  f"{sp / bare:.2f} x bare, extra {sp_mb:.0f} MB, max |err| vs eager {err:.2e}")
+            out["hidden"].update({"stock_parts_ms": sp, "stock_parts_extra_mb": sp_mb})
         if not args.no_compile:
             cfn = torch.compile(hidden_ops)
             comp = best_ms(lambda: cfn(h1, w1, h2, w2, hids), iters, warmup=3)

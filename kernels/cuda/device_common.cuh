@@ -1,5 +1,5 @@
-// Device-side helpers shared by the CUDA kernels (private to kernels/cuda): loading a block's
-// slice into registers with the transform, exp on the clamped shift, fixed-shape reductions.
+// Device-side helpers shared by the CUDA kernels (private to kernels/cuda): the launch-time view
+// of a source, the transform, 8-value loads (top-k), the warp sum.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -11,7 +11,6 @@
 
 namespace logitserve::kernels::cuda::detail {
 
-inline constexpr int kWarps = kBlockThreads / 32;
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
 // Shifted logits are clamped here before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
@@ -23,8 +22,6 @@ inline constexpr float kLog2e = 1.44269504088896341f;
 __device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float PosInfF() { return __int_as_float(0x7f800000); }
 
-// exp(x) for x <= 0 (x = -200 gives 0). See cuda_kernels.h for the accuracy argument.
-__device__ __forceinline__ float ExpNonPositive(float x) { return exp2f(x * kLog2e); }
 
 // The launch-time view of a LogitsSource.
 struct DeviceSource {
@@ -122,64 +119,12 @@ __device__ __forceinline__ void Load8(const DeviceSource& s, int64_t row, int64_
     v[k] = (k < n) ? TransformOne(s.t, c + k, LoadRaw(s, row, c + k)) : NegInfF();
 }
 
-// ---- Fixed-shape CTA reductions (kBlockThreads threads, all must call) ----------------------
-// Lanes combine with an xor butterfly (every lane ends with the same bits: IEEE addition is
-// commutative), then every thread adds the kWarps warp partials in one fixed tree. `smem` holds
-// kWarps floats per reduced value and is not reused before the next __syncthreads.
-
+// Lanes combine with an xor butterfly: every lane ends with the same bits (IEEE addition is
+// commutative), in a fixed order.
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
   return x;
-}
-__device__ __forceinline__ float WarpMax(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, off));
-  return x;
-}
-
-static_assert(kWarps == 8, "the fixed trees below combine 8 warps");
-
-__device__ __forceinline__ float Tree8Sum(const float* p) {
-  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-}
-__device__ __forceinline__ float Tree8Max(const float* p) {
-  return fmaxf(fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3])),
-               fmaxf(fmaxf(p[4], p[5]), fmaxf(p[6], p[7])));
-}
-
-// Reduces N values at once (sums), results in every thread. smem: [N][kWarps].
-template <int N>
-__device__ __forceinline__ void BlockSums(float (&x)[N], float* smem) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    x[i] = WarpSum(x[i]);
-    if (lane == 0) smem[i * kWarps + warp] = x[i];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < N; ++i) x[i] = Tree8Sum(smem + i * kWarps);
-}
-
-template <int N>
-__device__ __forceinline__ void BlockMaxes(float (&x)[N], float* smem) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    x[i] = WarpMax(x[i]);
-    if (lane == 0) smem[i * kWarps + warp] = x[i];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < N; ++i) x[i] = Tree8Max(smem + i * kWarps);
-}
-
-// Launch geometry of the (row, block) kernels: one CTA per (row, block), blocks of a row adjacent.
-inline unsigned GridFor(int64_t rows, int64_t blocks) {
-  return static_cast<unsigned>(rows * blocks);
 }
 
 }  // namespace logitserve::kernels::cuda::detail

@@ -105,6 +105,7 @@ struct Rank {
   DeviceBuffer cublas_workspace;
   DeviceBuffer workspace;              // per-job scratch, grown on demand
   PinnedBuffer host_staging;           // hidden rows from pageable memory, two tiles per input
+  PinnedBuffer host_io;                // target ids up, outputs down: asynchronous copies
   std::unique_ptr<Communicator> comm;  // null when the backend has one rank
   NcclCommunicator* nccl = nullptr;    // comm, when it is NCCL
   std::array<CudaEvent, kTileEvents> tile_done;  // tile t recorded in tile_done[t % kTileEvents]
@@ -157,6 +158,9 @@ struct JobPlan {
   bool jsd_pass = false;  // 0 < beta < 1: second pass
   int32_t jsd_endpoint = 0;
   bool any_hidden = false;
+  // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
+  // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
+  bool overlap_gemms = false;
   int64_t tile_rows = 0;   // rows per tile (the last tile may hold fewer)
   int64_t chunk_cols = 0;  // vocabulary columns per statistics launch
   kc::TileMessage msg;
@@ -328,6 +332,7 @@ class RankWorker {
 
   void SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                  std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets);
+  absl::Status IssueUploads();
   absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows);
   // The source for chunk c; hidden mode reads logits slot `slot` and runs its GEMMs into it first
   // (on gemm_stream) when `compute`.
@@ -344,7 +349,9 @@ class RankWorker {
   // CudaBackendOptions::test_fault on this rank, at the end of the job's first tile.
   absl::Status InjectFault();
   cudaStream_t stream() const { return rank_.stream.get(); }
-  cudaStream_t gemm_stream() const { return rank_.gemm_stream.get(); }
+  cudaStream_t gemm_stream() const {
+    return plan_.overlap_gemms ? rank_.gemm_stream.get() : rank_.stream.get();
+  }
 
   Rank& rank_;
   const JobPlan& plan_;
@@ -370,6 +377,8 @@ class RankWorker {
   k::RowStats* folded_b_ = nullptr;
   int32_t* first_bad_ = nullptr;
   int32_t* ids_ = nullptr;
+  size_t io_outputs_at_ = 0;  // where the outputs start in rank_.host_io
+  bool uploads_pending_ = false;
   kc::RowOutputs outputs_;
 };
 
@@ -506,10 +515,37 @@ absl::Status RankWorker::Prepare() {
     if (job_.jsd_beta) outputs_.jsd = reinterpret_cast<float*>(base + out_at[7]);
     outputs_.jsd_endpoint = plan_.jsd_endpoint;
   }
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), stream()));
+  // Pinned staging for the small host <-> device copies: a copy from or to pageable memory is
+  // staged by the driver and synchronous (~10 us each on the H200 machine); these are
+  // asynchronous and the job waits once, at its end. Layout: ids, then each requested output.
+  const auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  size_t io_bytes = align(ids_count * sizeof(int32_t)) + align(2 * sizeof(int32_t));
+  if (reports_) {
+    io_bytes += align(ids_count * sizeof(float)) + 2 * align(topk_count * sizeof(float)) +
+                5 * align(n * sizeof(float));
+  }
+  if (auto s = rank_.host_io.Reserve(io_bytes); !s.ok()) return s;
   if (ids_count > 0) {
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-        ids_, job_.target_ids.data(), ids_count * sizeof(int32_t), cudaMemcpyDefault, stream()));
+    std::memcpy(rank_.host_io.data(), job_.target_ids.data(), ids_count * sizeof(int32_t));
+  }
+  io_outputs_at_ = align(ids_count * sizeof(int32_t));
+  uploads_pending_ = true;  // queued behind the first statistics launch (IssueUploads)
+  return absl::OkStatus();
+}
+
+// The job's small set-up copies (target ids up, the bad-row sentinel), queued on the stream
+// after the first statistics kernel rather than before it: nothing before the gather and the
+// fold reads them, and the statistics kernel then starts without waiting for them (a few us of
+// copy latency each on the critical path otherwise).
+absl::Status RankWorker::IssueUploads() {
+  if (!uploads_pending_) return absl::OkStatus();
+  uploads_pending_ = false;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), stream()));
+  const size_t ids_count = static_cast<size_t>(job_.rows) * static_cast<size_t>(job_.ids_per_row);
+  if (ids_count > 0) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(ids_, rank_.host_io.data(),
+                                                    ids_count * sizeof(int32_t),
+                                                    cudaMemcpyHostToDevice, stream()));
   }
   return absl::OkStatus();
 }
@@ -599,7 +635,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   // wait until its GEMMs are done. With a JSD pass every chunk of the tile keeps its own slot until
   // the pass, so the tile's GEMMs wait for the previous tile's pass instead. Both streams' order
   // and every kernel's inputs are those of one stream: the bits do not change.
-  const bool split = plan_.any_hidden;
+  const bool split = plan_.any_hidden && plan_.overlap_gemms;
   auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
     return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
                       __LINE__);
@@ -607,7 +643,6 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   auto record = [](const CudaEvent& e, cudaStream_t on) {
     return CudaStatus(cudaEventRecord(e.get(), on), "cudaEventRecord", __FILE__, __LINE__);
   };
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(send_, 0, m.bytes, stream()));
   if (split && plan_.jsd_pass && row0 > 0) {
     if (auto s = wait(gemm_stream(), rank_.slots_released); !s.ok()) return s;
   }
@@ -619,6 +654,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   auto* lists = reinterpret_cast<k::TopKEntry*>(send_ + m.topk_offset);
   auto* counts = reinterpret_cast<int32_t*>(send_ + m.count_offset);
   auto* targets = reinterpret_cast<float*>(send_ + m.target_offset);
+  bool cleared = false;  // the message's top-k and target sections (below)
   for (int64_t c = 0; c < num_chunks_; ++c) {
     const int64_t g = chunk_seq_++;
     const size_t e = static_cast<size_t>(g % 2);
@@ -640,6 +676,14 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(
         *a, plan_.pair ? &*b : nullptr, rows, stats, m.max_blocks, local_block, stream()));
+    if (c == 0) {
+      cleared = true;
+      // Only the top-k counts and target logits need a defined start (every statistics record
+      // the fold reads is written by this tile's kernels); queued behind the statistics.
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+      if (auto s = IssueUploads(); !s.ok()) return s;
+    }
     if (job_.ids_per_row > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
           *a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
@@ -652,10 +696,15 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       if (auto s = record(rank_.slot_free[e], stream()); !s.ok()) return s;
     }
   }
+  if (!cleared) {  // a shard without columns
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+  }
   return absl::OkStatus();
 }
 
 absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
+  if (auto s = IssueUploads(); !s.ok()) return s;  // a shard without columns launched nothing
   kc::GatheredTile tile;
   tile.messages = recv_;
   tile.layout = plan_.msg;
@@ -799,15 +848,25 @@ absl::Status RankWorker::Run() {
 absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {
   DeviceGuard guard(rank_.device);
   if (auto s = guard.status(); !s.ok()) return s;
+  if (copy) {
+    if (auto s = IssueUploads(); !s.ok()) return s;
+  }
   // Work still queued reads the request's memory and this rank's workspace: it must be done
   // before Score returns, and the copies below (to pageable memory) would otherwise wait for it
   // inside the driver, without a time limit.
   if (absl::Status s = WaitIdle("job end"); !s.ok()) return s;
   if (copy && reports_) {
+    // Asynchronous copies into the pinned staging (see Prepare), one wait, then host copies.
+    uint8_t* io = rank_.host_io.data();
+    size_t at = io_outputs_at_;
+    std::vector<std::pair<std::pair<void*, size_t>, size_t>> back;  // (dst, bytes), staging at
     auto copy_out = [&](auto& vec, const void* dev) -> absl::Status {
       if (vec.empty() || dev == nullptr) return absl::OkStatus();
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(vec.data(), dev, vec.size() * sizeof(vec[0]),
-                                                      cudaMemcpyDeviceToHost, stream()));
+      const size_t bytes = vec.size() * sizeof(vec[0]);
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(io + at, dev, bytes, cudaMemcpyDeviceToHost, stream()));
+      back.push_back({{vec.data(), bytes}, at});
+      at += (bytes + 255) / 256 * 256;
       return absl::OkStatus();
     };
     for (absl::Status s :
@@ -820,9 +879,11 @@ absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_b
           copy_out(result->reverse_kl, outputs_.reverse_kl), copy_out(result->jsd, outputs_.jsd)}) {
       if (!s.ok()) return s;
     }
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(first_bad, first_bad_, 2 * sizeof(int32_t),
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + at, first_bad_, 2 * sizeof(int32_t),
                                                     cudaMemcpyDeviceToHost, stream()));
     if (absl::Status s = WaitIdle("output copy"); !s.ok()) return s;
+    for (const auto& [dst, from] : back) std::memcpy(dst.first, io + from, dst.second);
+    std::memcpy(first_bad, io + at, 2 * sizeof(int32_t));
   }
   if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();
   return absl::OkStatus();
@@ -1005,6 +1066,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     p.jsd_pass = p.jsd_endpoint == 0;
   }
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());
+  p.overlap_gemms = options_.overlap_hidden_gemms;
   int64_t widest = 0;
   for (const ShardRange& s : p.layout) widest = std::max(widest, s.end - s.begin);
   p.chunk_cols = p.any_hidden ? kCudaVocabChunk : std::max<int64_t>(widest, 1);

@@ -70,6 +70,10 @@ struct CudaBackendOptions {
   // kernels since reverted) measured JSD at 8.6 ms against 3.6 ms uncapped ([8192 x 75968] bf16);
   // the cap alone has not been measured yet.
   size_t jsd_tile_bytes = 0;
+  // Hidden mode: run the tile GEMMs on a second stream so that they overlap the statistics of
+  // the previous chunk (double-buffered logits tiles), or both on one stream. Either way the same
+  // kernels read the same inputs: the bits do not change.
+  bool overlap_hidden_gemms = true;
   // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
   // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
   // order the ranks meet before each all-gather: one per row tile, two with a JSD pass). Exercises

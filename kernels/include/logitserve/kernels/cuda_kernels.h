@@ -7,18 +7,21 @@
 // laid out exactly as the CPU's (BlockStats / PairBlockStats), folded in global block order with
 // FoldBlock / FoldPairBlock, finished with LogProb / Entropy / KlAB / KlBA.
 //
-// Determinism: every reduction has a fixed shape. One CTA of kBlockThreads threads reads one block
-// of one row; thread t holds elements [8t, 8t + 8) in registers and accumulates them in index
-// order; warps combine lanes with a fixed xor-butterfly, and the 8 warp partials are added in a
-// fixed tree. Nothing depends on the grid size, the row count, the shard layout or the input dtype
-// (every input is converted exactly to fp32 first). Top-k uses a strict total order (Better), so
-// its result is unique whatever order candidates are seen in.
+// Determinism: every reduction has a fixed shape. The statistics and JSD kernels give one warp
+// one block of one row: element e of chunk j of lane l is id j * 256 + 8 l + e of the block, each
+// lane adds its 64 values in (j, e) order into two accumulators (even / odd e), and lanes combine
+// with a fixed xor butterfly (kernels/cuda/lane_block.cuh). The top-k kernel uses one CTA of
+// kBlockThreads threads per row, 8 consecutive values a thread. Nothing depends on the grid size,
+// the row count, the shard layout or the input dtype (every input is converted exactly to fp32
+// first). Top-k uses a strict total order (Better), so its result is unique whatever order
+// candidates are seen in.
 //
-// Exponentials: exp2f(x * log2(e)) on clamped, non-positive x. exp2f is accurate to 2 ulp (CUDA
-// C Programming Guide, "Mathematical Functions"); the pre-scale rounds the argument by |x| u,
-// which moves a term exp(x) by |x| exp(x) u <= u / e relative to the block maximum's weight 1, far
-// inside the fp32 sum's own rounding. __expf / -use_fast_math are not used: their error grows with
-// |x|. Logarithms are logf (1 ulp). The build compiles these kernels with --fmad=false, so no
+// Exponentials: ex2.approx.ftz(x * log2(e)) on clamped, non-positive x: the instruction behind
+// exp2f, accurate to 2 ulp (CUDA C Programming Guide, "Mathematical Functions"), flushing results
+// below 2^-126 (terms 2^-126 of the block maximum's weight 1); the pre-scale rounds the argument by
+// |x| u, which moves a term exp(x) by |x| exp(x) u <= u / e relative to the block maximum's weight,
+// far inside the fp32 sum's own rounding. __expf / -use_fast_math are not used: their error grows
+// with |x|. Logarithms are logf (1 ulp). The build compiles these kernels with --fmad=false, so no
 // multiply-add is contracted behind the source's back (the CPU build uses -ffp-contract=off for the
 // same reason); fused multiply-adds are written as fmaf where wanted.
 //
