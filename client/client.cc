@@ -213,6 +213,28 @@ absl::StatusOr<Client::Limits> Client::GetLimits() {
   return limits;
 }
 
+absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size) {
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return FromGrpcStatus(CallWithRetry([&](grpc::ClientContext& context) {
+    return scorer_->RegisterSharedMemory(&context, request, &response);
+  }));
+}
+
+absl::Status Client::UnregisterSharedMemory(const std::string& name) {
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  return FromGrpcStatus(CallWithRetry([&](grpc::ClientContext& context) {
+    return scorer_->UnregisterSharedMemory(&context, request, &response);
+  }));
+}
+
 absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& request) {
   v1::ScoreResponse response;
   const grpc::Status status = CallWithRetry([&](grpc::ClientContext& context) {

@@ -172,6 +172,14 @@ class Client {
 
   absl::StatusOr<ListHeadsOutput> ListHeads();
 
+  // Shared-memory inputs (client/shm.h): registers bytes [offset, offset + byte_size) of the
+  // POSIX shared-memory object `key` on the server under `name`; tensors then name it
+  // (SharedMemoryTensor). Only for a server on this host (it opens `key` itself).
+  absl::Status RegisterSharedMemory(const std::string& name, const std::string& key,
+                                    uint64_t offset, uint64_t byte_size);
+  // Returns once the server has dropped the region and no request reads it any more.
+  absl::Status UnregisterSharedMemory(const std::string& name);
+
   const std::string& target() const { return target_; }
   const ClientOptions& options() const { return options_; }
 
