@@ -7,6 +7,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "client/pipeline.h"
 #include "client/request_split.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -259,6 +260,19 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
   absl::StatusOr<std::vector<RowChunk>> plan =
       PlanChunks(request, limits.max_rows, limits.max_bytes);
   if (!plan.ok()) return plan.status();
+  const int64_t row_bytes = RowBytes(request);
+  if (options_.split_requests && options_.pipeline_chunk_bytes > 0 && row_bytes > 0) {
+    const int64_t chunk_rows = std::max<int64_t>(1, options_.pipeline_chunk_bytes / row_bytes);
+    if (RequestRows(request) > chunk_rows) {
+      const int64_t max_rows =
+          limits.max_rows > 0 ? std::min(limits.max_rows, chunk_rows) : chunk_rows;
+      // Only a plan the server limits would not need can fail here (a sequence longer than a
+      // pipeline chunk): then the request goes as the limits split it.
+      absl::StatusOr<std::vector<RowChunk>> pipelined =
+          PlanChunks(request, max_rows, limits.max_bytes);
+      if (pipelined.ok() && pipelined->size() > 1) return ScorePipelined(request, *pipelined);
+    }
+  }
 
   ScoreOutput out;
   if (plan->size() == 1) {
@@ -283,12 +297,10 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
     absl::StatusOr<v1::ScoreResponse> response = ScoreOnce(chunk_request);
     if (!response.ok()) {
       const absl::Status& s = response.status();
-      return absl::Status(s.code(),
-                          absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end, ") of ",
-                                       total_rows, " (request split into ", plan->size(),
-                                       " chunks by the server's limits; row numbers in the message "
-                                       "below count from ",
-                                       chunk.row_begin, "): ", s.message()));
+      return absl::Status(s.code(), absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end,
+                                                 ") of ", total_rows, " (request split into ",
+                                                 plan->size(), " chunks by the server's limits): ",
+                                                 RebaseRowNumbers(s.message(), chunk.row_begin)));
     }
     if (absl::Status s = AppendChunkResponse(*response, chunk, out); !s.ok()) return s;
     // Pin the versions the first chunk used: a head swapped mid-request then fails the later
@@ -300,6 +312,52 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
       without_rows.set_reference_head_version(response->reference_head_version());
     }
   }
+  return out;
+}
+
+absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& request,
+                                                   const std::vector<RowChunk>& plan) {
+  v1::ScoreRequest without_rows = request;
+  without_rows.clear_hidden();
+  without_rows.clear_logits();
+  without_rows.clear_reference_hidden();
+  without_rows.clear_reference_logits();
+  without_rows.clear_target_ids();
+  without_rows.clear_sequence_lengths();
+  PipelineOutcome outcome;
+  // Retried as a whole on UNAVAILABLE (Score is idempotent); a failed chunk is not retried.
+  const grpc::Status status = CallWithRetry([&](grpc::ClientContext& context) {
+    outcome = RunPipeline(
+        *scorer_, context, plan.size(),
+        [&](size_t i) { return MakeChunkRequest(request, without_rows, plan[i]); },
+        options_.pipeline_depth);
+    return outcome.failed_chunk >= 0 ? grpc::Status::OK : outcome.stream_status;
+  });
+  const int64_t total_rows = RequestRows(request);
+  if (outcome.failed_chunk >= 0) {
+    const RowChunk& chunk = plan[static_cast<size_t>(outcome.failed_chunk)];
+    const absl::Status& s = outcome.chunk_error;
+    return absl::Status(
+        s.code(),
+        absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end, ") of ", total_rows,
+                     " (chunk ", outcome.failed_chunk + 1, " of ", plan.size(),
+                     " of a pipelined request): ", RebaseRowNumbers(s.message(), chunk.row_begin)));
+  }
+  if (!status.ok()) return FromGrpcStatus(status);
+  ScoreOutput out;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const v1::ScoreResponse& response = outcome.responses[i];
+    if (i > 0 && (response.head_version() != out.head_version ||
+                  response.reference_head_version() != out.reference_head_version)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "head_version: a head was replaced while the request was in flight (rows [",
+          plan[i].row_begin, ", ", plan[i].row_end, ") ran on version ", response.head_version(),
+          "/", response.reference_head_version(), ", earlier rows on ", out.head_version, "/",
+          out.reference_head_version, "); pin head_version or retry"));
+    }
+    if (absl::Status s = AppendChunkResponse(response, plan[i], out); !s.ok()) return s;
+  }
+  out.request_id = request.request_id();
   return out;
 }
 

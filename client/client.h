@@ -63,6 +63,14 @@ struct ClientOptions {
   // Rows per chunk when splitting; 0 = the server's max_tokens_per_request from ListHeads.
   int64_t max_rows_per_request = 0;
 
+  // Pipelining of large requests (issue 12): when the row tensors a request carries in `data`
+  // exceed pipeline_chunk_bytes, Score sends them as chunks of about that many bytes over one
+  // ScoreStream call, at most pipeline_depth of them unanswered, so transfer and compute overlap;
+  // the outputs are reassembled in row order, bitwise those of one request. The call's deadline
+  // is rpc_timeout for all chunks together. pipeline_chunk_bytes 0 = off.
+  int64_t pipeline_chunk_bytes = int64_t{4} << 20;
+  int pipeline_depth = 4;
+
   // Sent as "authorization: Bearer <token>" on every RPC when non-empty.
   std::string bearer_token;
 
@@ -150,6 +158,8 @@ const char* ServingStatusName(ServingStatus status);  // "SERVING", ...
 // message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+struct RowChunk;  // client/request_split.h
+
 class Client {
  public:
   // Creates a client for `target` ("host:port", "dns:///host:port", "unix:/path", ...). Does not
@@ -164,7 +174,10 @@ class Client {
   // request. With sequence_lengths set, chunks hold whole sequences (a single sequence longer
   // than the limit is INVALID_ARGUMENT). After the first chunk the head versions it used are
   // pinned, so a head replaced mid-request fails with FAILED_PRECONDITION instead of mixing
-  // versions. An error in a chunk names the chunk's rows within the whole request.
+  // versions. Large requests are pipelined (ClientOptions::pipeline_chunk_bytes): their chunks
+  // run concurrently, and a head replaced mid-request gives FAILED_PRECONDITION when the chunks
+  // report different versions. An error in a chunk names the chunk's rows and, in the server's
+  // message, the row numbers of the whole request.
   absl::StatusOr<ScoreOutput> Score(const v1::ScoreRequest& request);
 
   // grpc.health.v1.Health/Check; `service` "" asks about the whole server.
@@ -200,6 +213,9 @@ class Client {
 
   absl::StatusOr<Limits> GetLimits();
   absl::StatusOr<v1::ScoreResponse> ScoreOnce(const v1::ScoreRequest& request);
+  // The chunks of `plan` over one ScoreStream (client/pipeline.h), reassembled in order.
+  absl::StatusOr<ScoreOutput> ScorePipelined(const v1::ScoreRequest& request,
+                                             const std::vector<RowChunk>& plan);
 
   std::string target_;
   ClientOptions options_;
