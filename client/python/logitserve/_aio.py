@@ -5,7 +5,7 @@ import asyncio
 import grpc
 import grpc.aio
 
-from . import _api, _pb
+from . import _api, _pb, _wire
 from ._client import _Settings
 from ._errors import LogitserveError, from_rpc_error
 
@@ -28,6 +28,12 @@ class AsyncClient:
         else:
             self._channel = grpc.aio.insecure_channel(self._s.target, options=self._s.options)
         self._stub = _pb.pb2_grpc().ScorerStub(self._channel)
+        self._score = self._channel.unary_unary(
+            _wire.SCORE_METHOD, request_serializer=_wire.serialize,
+            response_deserializer=_wire.parse_score_response)
+        self._score_stream = self._channel.stream_stream(
+            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+            response_deserializer=_wire.parse_score_response)
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
@@ -88,16 +94,16 @@ class AsyncClient:
     async def score(self, head=None, hidden=None, target_ids=None, **kwargs):
         """As Client.score."""
         request, meta = _api.build_request(head=head, hidden=hidden, target_ids=target_ids, **kwargs)
-        chunks = [(0, meta.rows or 0, 0, len(request.sequence_lengths))]
+        chunks = [(0, meta.rows or 0, 0, len(request.message.sequence_lengths))]
         if self._s.split_requests:
             max_rows, max_bytes = await self._server_limits()
             chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
         if len(chunks) == 1:
-            return _api.assemble([await self._call(self._stub.Score, request)], chunks, meta,
+            return _api.assemble([await self._call(self._score, request)], chunks, meta,
                                  request.request_id)
         async def run(chunk):
             try:
-                return await self._call(self._stub.Score, _api.chunk_request(request, chunk))
+                return await self._call(self._score, _api.chunk_request(request, chunk))
             except LogitserveError as e:
                 raise _api.chunk_error(e, chunk, meta.rows, len(chunks)) from None
 
@@ -135,7 +141,7 @@ class AsyncClient:
             metas[proto.request_id] = meta
             return proto
 
-        call = self._stub.ScoreStream(gen(), timeout=timeout, metadata=self._s.metadata())
+        call = self._score_stream(gen(), timeout=timeout, metadata=self._s.metadata())
         try:
             async for resp in call:
                 res = _api.stream_result(resp, metas.pop(resp.request_id))
@@ -150,6 +156,17 @@ class AsyncClient:
             call.cancel()
         if failure:
             raise failure[0]
+
+    async def register_shared_memory(self, name, key, offset, byte_size):
+        """As Client.register_shared_memory."""
+        req = _pb.pb2().RegisterSharedMemoryRequest(name=name, key=key, offset=int(offset),
+                                                    byte_size=int(byte_size))
+        await self._call(self._stub.RegisterSharedMemory, req)
+
+    async def unregister_shared_memory(self, name):
+        """As Client.unregister_shared_memory."""
+        await self._call(self._stub.UnregisterSharedMemory,
+                         _pb.pb2().UnregisterSharedMemoryRequest(name=name))
 
     async def load_head(self, name, weight, version=0, bias=None, dtype=None, logit_scale=0.0,
                         logits_scaling=0.0, final_logit_softcapping=0.0, chunk_bytes=1 << 20,
