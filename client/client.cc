@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -94,15 +96,30 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(std::string target, Clien
   if (channel == nullptr) {
     return absl::InternalError(absl::StrCat("could not create a channel to ", target));
   }
-  return std::unique_ptr<Client>(new Client(std::move(target), std::move(options), channel));
+  // Pipeline streams 1.. get connections of their own: a local subchannel pool (and a distinct
+  // argument) keeps gRPC from sharing the first channel's connection.
+  std::vector<std::shared_ptr<grpc::Channel>> pipeline_channels;
+  for (int i = 1; i < options.pipeline_streams; ++i) {
+    grpc::ChannelArguments own = args;
+    own.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    own.SetInt("logitserve.pipeline_stream", i);
+    pipeline_channels.push_back(grpc::CreateCustomChannel(target, credentials, own));
+  }
+  return std::unique_ptr<Client>(
+      new Client(std::move(target), std::move(options), channel, std::move(pipeline_channels)));
 }
 
-Client::Client(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+Client::Client(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel,
+               std::vector<std::shared_ptr<grpc::Channel>> pipeline_channels)
     : target_(std::move(target)),
       options_(std::move(options)),
       channel_(std::move(channel)),
       scorer_(v1::Scorer::NewStub(channel_)),
-      health_(grpc::health::v1::Health::NewStub(channel_)) {}
+      health_(grpc::health::v1::Health::NewStub(channel_)) {
+  for (const std::shared_ptr<grpc::Channel>& c : pipeline_channels) {
+    pipeline_scorers_.push_back(v1::Scorer::NewStub(c));
+  }
+}
 
 void Client::PrepareContext(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() +
@@ -324,15 +341,63 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
   without_rows.clear_reference_logits();
   without_rows.clear_target_ids();
   without_rows.clear_sequence_lengths();
-  PipelineOutcome outcome;
+  // Chunk i goes on stream i % streams; each stream runs on its own thread and connection.
+  const size_t streams = std::min(plan.size(), 1 + pipeline_scorers_.size());
+  std::vector<PipelineOutcome> outcomes(streams);
   // Retried as a whole on UNAVAILABLE (Score is idempotent); a failed chunk is not retried.
-  const grpc::Status status = CallWithRetry([&](grpc::ClientContext& context) {
-    outcome = RunPipeline(
-        *scorer_, context, plan.size(),
-        [&](size_t i) { return MakeChunkRequest(request, without_rows, plan[i]); },
-        options_.pipeline_depth);
-    return outcome.failed_chunk >= 0 ? grpc::Status::OK : outcome.stream_status;
+  const grpc::Status status = CallWithRetry([&](grpc::ClientContext& first_context) {
+    std::vector<std::unique_ptr<grpc::ClientContext>> own(streams);
+    std::vector<grpc::ClientContext*> contexts(streams, &first_context);
+    for (size_t s = 1; s < streams; ++s) {
+      own[s] = std::make_unique<grpc::ClientContext>();
+      PrepareContext(*own[s]);
+      contexts[s] = own[s].get();
+    }
+    auto run = [&](size_t s) {
+      v1::Scorer::Stub& stub = s == 0 ? *scorer_ : *pipeline_scorers_[s - 1];
+      const size_t count = (plan.size() - s + streams - 1) / streams;
+      outcomes[s] = RunPipeline(
+          stub, *contexts[s], count,
+          [&](size_t j) { return MakeChunkRequest(request, without_rows, plan[s + j * streams]); },
+          options_.pipeline_depth);
+      if (outcomes[s].failed_chunk >= 0 || !outcomes[s].stream_status.ok()) {
+        for (grpc::ClientContext* c : contexts) c->TryCancel();  // the other streams stop too
+      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t s = 1; s < streams; ++s) threads.emplace_back(run, s);
+    run(0);
+    for (std::thread& t : threads) t.join();
+    grpc::Status first_error = grpc::Status::OK;
+    for (const PipelineOutcome& o : outcomes) {
+      if (o.failed_chunk >= 0) return grpc::Status::OK;  // reported below, not retried
+      // A stream cancelled because another failed says CANCELLED; the other's status is the one.
+      if (!o.stream_status.ok() &&
+          (first_error.ok() || first_error.error_code() == grpc::StatusCode::CANCELLED)) {
+        first_error = o.stream_status;
+      }
+    }
+    return first_error;
   });
+  PipelineOutcome outcome;
+  for (size_t s = 0; s < streams; ++s) {
+    if (outcomes[s].failed_chunk >= 0 &&
+        (outcome.failed_chunk < 0 ||
+         static_cast<int64_t>(s) + outcomes[s].failed_chunk * static_cast<int64_t>(streams) <
+             outcome.failed_chunk)) {
+      outcome.failed_chunk =
+          static_cast<int64_t>(s) + outcomes[s].failed_chunk * static_cast<int64_t>(streams);
+      outcome.chunk_error = outcomes[s].chunk_error;
+    }
+  }
+  if (outcome.failed_chunk < 0 && status.ok()) {
+    outcome.responses.resize(plan.size());
+    for (size_t s = 0; s < streams; ++s) {
+      for (size_t j = 0; j < outcomes[s].responses.size(); ++j) {
+        outcome.responses[s + j * streams] = std::move(outcomes[s].responses[j]);
+      }
+    }
+  }
   const int64_t total_rows = RequestRows(request);
   if (outcome.failed_chunk >= 0) {
     const RowChunk& chunk = plan[static_cast<size_t>(outcome.failed_chunk)];

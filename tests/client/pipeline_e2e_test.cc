@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "client/client.h"
@@ -51,11 +52,12 @@ v1::ScoreRequest Request(int64_t rows, uint64_t seed) {
   return req;
 }
 
-ClientOptions Pipelined(int64_t chunk_rows, int depth) {
+ClientOptions Pipelined(int64_t chunk_rows, int depth, int streams = 2) {
   ClientOptions o;
   o.max_attempts = 1;
   o.pipeline_chunk_bytes = chunk_rows * kRowBytes;
   o.pipeline_depth = depth;
+  o.pipeline_streams = streams;
   return o;
 }
 
@@ -93,11 +95,13 @@ TEST_F(PipelineE2ETest, ChunkedResultIsBitwiseTheUnsplitOne) {
   EXPECT_EQ(whole->chunks, 1);
   testing::ExpectMatchesReference(req, *whole, {{kHead.name, e2e::ReferenceHead(kHead)}});
 
-  // 100 rows as 7-row chunks (15 chunks, the last one short), 1 to 8 in flight; and 33-row ones.
-  for (const auto& [chunk_rows, depth] :
-       std::vector<std::pair<int64_t, int>>{{7, 1}, {7, 3}, {7, 8}, {33, 2}}) {
-    SCOPED_TRACE(::testing::Message() << chunk_rows << " rows per chunk, depth " << depth);
-    std::unique_ptr<Client> client = MakeClient(Pipelined(chunk_rows, depth));
+  // 100 rows as 7-row chunks (15 chunks, the last one short), 1 to 8 in flight on 1 to 3
+  // streams; and 33-row ones.
+  for (const auto& [chunk_rows, depth, streams] : std::vector<std::tuple<int64_t, int, int>>{
+           {7, 1, 1}, {7, 3, 2}, {7, 8, 3}, {33, 2, 2}, {33, 1, 4}}) {
+    SCOPED_TRACE(::testing::Message() << chunk_rows << " rows per chunk, depth " << depth << ", "
+                                      << streams << " streams");
+    std::unique_ptr<Client> client = MakeClient(Pipelined(chunk_rows, depth, streams));
     absl::StatusOr<ScoreOutput> out = client->Score(req);
     ASSERT_TRUE(out.ok()) << out.status();
     EXPECT_EQ(out->chunks, (kRows + chunk_rows - 1) / chunk_rows);

@@ -44,7 +44,7 @@ class _Settings:
     def __init__(self, target, token, admin_token, tls, timeout, max_retries, initial_backoff,
                  max_backoff, backoff_multiplier, load_balancing, split_requests,
                  max_rows_per_request, channel_options, pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4):
+                 pipeline_depth=4, pipeline_streams=2):
         if max_retries < 0 or initial_backoff < 0 or max_backoff < initial_backoff or \
                 backoff_multiplier < 1:
             raise ValueError("need max_retries >= 0, 0 <= initial_backoff <= max_backoff and "
@@ -62,6 +62,7 @@ class _Settings:
         self.max_rows_per_request = max_rows_per_request
         self.pipeline_chunk_bytes = int(pipeline_chunk_bytes or 0)
         self.pipeline_depth = max(1, int(pipeline_depth))
+        self.pipeline_streams = max(1, int(pipeline_streams))
         self.options = _api.channel_options(self.lb_policy, initial_backoff, max_backoff,
                                             channel_options)
 
@@ -109,22 +110,23 @@ class Client:
       load_balancing gRPC lb policy name; default round_robin for several addresses, else pick_first
       split_requests split Score requests over the server's max_tokens_per_request /
                      max_receive_message_bytes (from ListHeads, fetched once)
-      pipeline_chunk_bytes, pipeline_depth
+      pipeline_chunk_bytes, pipeline_depth, pipeline_streams
                      a request whose row arrays exceed pipeline_chunk_bytes (4 MiB) is sent as
-                     chunks of about that size over one ScoreStream, pipeline_depth (4) unanswered
-                     at a time, so transfer and compute overlap; results are bitwise those of one
-                     request. 0 = off.
+                     chunks of about that size over pipeline_streams (2) ScoreStream calls on
+                     connections of their own, pipeline_depth (4) unanswered per stream, so
+                     transfer and compute overlap; results are bitwise those of one request.
+                     0 = off.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4):
+                 pipeline_depth=4, pipeline_streams=2):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
-                            pipeline_chunk_bytes, pipeline_depth)
+                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams)
         if self._s.tls is not None:
             self._channel = grpc.secure_channel(self._s.target, self._s.tls.credentials(),
                                                 options=self._s.options)
@@ -141,6 +143,20 @@ class Client:
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
+        # Pipeline streams 1.. on connections of their own (see _score_pipelined).
+        self._pipeline_channels = []
+        for i in range(1, self._s.pipeline_streams):
+            opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
+                                            ("logitserve.pipeline_stream", i)]
+            if self._s.tls is not None:
+                ch = grpc.secure_channel(self._s.target, self._s.tls.credentials(), options=opts)
+            else:
+                ch = grpc.insecure_channel(self._s.target, options=opts)
+            self._pipeline_channels.append(ch)
+        self._pipeline_methods = [
+            ch.stream_stream(_wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+                             response_deserializer=_wire.parse_score_response)
+            for ch in self._pipeline_channels]
         self._limits = None
         self._lock = threading.Lock()
 
@@ -149,6 +165,8 @@ class Client:
         return self._s.target
 
     def close(self):
+        for ch in self._pipeline_channels:
+            ch.close()
         self._channel.close()
 
     def __enter__(self):
@@ -232,45 +250,76 @@ class Client:
         return _api.assemble(responses, chunks, meta, request.request_id)
 
     def _score_pipelined(self, request, meta, chunks):
-        """The chunks over one ScoreStream, at most pipeline_depth unanswered; the deadline
-        (timeout) covers them all. A failed chunk cancels the call (the server drops the chunks
-        queued behind it) and raises its error naming the rows of the whole request."""
+        """The chunks over pipeline_streams ScoreStream calls (chunk i on stream i % streams,
+        each on its own connection and thread), at most pipeline_depth unanswered per stream; the
+        deadline (timeout) covers them all. A failed chunk cancels every stream (the server drops
+        the chunks queued behind it) and raises its error naming the rows of the whole request."""
+        streams = min(len(chunks), 1 + len(self._pipeline_methods))
         responses = [None] * len(chunks)
         failed = []
 
         def attempt(_request, timeout, metadata):
             responses[:] = [None] * len(chunks)  # a retried attempt starts over
             del failed[:]
-            window = threading.Semaphore(self._s.pipeline_depth)
-            stop = threading.Event()
+            errors, calls = [], []
+            abort = threading.Event()
+            lock = threading.Lock()
 
-            def gen():
-                for i, chunk in enumerate(chunks):
-                    window.acquire()
-                    if stop.is_set():
-                        return
-                    w = _api.chunk_request(request, chunk)
-                    w.message.request_id = str(i)
-                    yield w
+            def cancel_all():
+                abort.set()
+                with lock:
+                    for c in calls:
+                        c.cancel()
 
-            call = self._score_stream(gen(), timeout=timeout, metadata=metadata)
-            try:
-                for resp in call:
-                    i = int(resp.request_id)
-                    if resp.status_code:
-                        failed.append((i, resp))
-                        return None
-                    responses[i] = resp
-                    window.release()
-            finally:
-                stop.set()
-                window.release()  # a writer waiting for room sees `stop`
-                call.cancel()     # no-op once finished
+            def run(s):
+                window = threading.Semaphore(self._s.pipeline_depth)
+
+                def gen():
+                    for i in range(s, len(chunks), streams):
+                        window.acquire()
+                        if abort.is_set():
+                            return
+                        w = _api.chunk_request(request, chunks[i])
+                        w.message.request_id = str(i)
+                        yield w
+
+                method = self._score_stream if s == 0 else self._pipeline_methods[s - 1]
+                call = method(gen(), timeout=timeout, metadata=metadata)
+                with lock:
+                    calls.append(call)
+                try:
+                    for resp in call:
+                        i = int(resp.request_id)
+                        if resp.status_code:
+                            failed.append((i, resp))
+                            cancel_all()
+                            return
+                        responses[i] = resp
+                        window.release()
+                except grpc.RpcError as e:
+                    errors.append(e)
+                    cancel_all()
+                finally:
+                    window.release()  # a writer waiting for room sees `abort`
+                    call.cancel()     # no-op once finished
+
+            threads = [threading.Thread(target=run, args=(s,), daemon=True)
+                       for s in range(1, streams)]
+            for t in threads:
+                t.start()
+            run(0)
+            for t in threads:
+                t.join()
+            if failed:
+                return None
+            real = [e for e in errors if e.code() != grpc.StatusCode.CANCELLED]
+            if real or errors:
+                raise (real or errors)[0]
             return None
 
         self._call(attempt, None)
         if failed:
-            i, resp = failed[0]
+            i, resp = min(failed, key=lambda f: f[0])
             raise _api.chunk_error(error_for(resp.status_code, resp.status_message), chunks[i],
                                    meta.rows, len(chunks)) from None
         if any(r is None for r in responses):

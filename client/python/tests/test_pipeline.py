@@ -22,13 +22,13 @@ def _same(a, b):
 ROW_BYTES = H * 4 + 8  # fp32 hidden + int64 ids
 
 
-@pytest.mark.parametrize("chunk_rows,depth", [(9, 1), (9, 4), (40, 2)])
-def test_pipelined_equals_unsplit(server, chunk_rows, depth):
+@pytest.mark.parametrize("chunk_rows,depth,streams", [(9, 1, 1), (9, 4, 2), (9, 2, 3), (40, 2, 2)])
+def test_pipelined_equals_unsplit(server, chunk_rows, depth, streams):
     req = _request(100, seed=1)
     with logitserve.Client(server.address, pipeline_chunk_bytes=0) as c:
         whole = c.score(**req)
     with logitserve.Client(server.address, pipeline_chunk_bytes=chunk_rows * ROW_BYTES,
-                           pipeline_depth=depth) as c:
+                           pipeline_depth=depth, pipeline_streams=streams) as c:
         piped = c.score(**req)
     assert whole.chunks == 1 and piped.chunks == -(-100 // chunk_rows)
     _same(whole, piped)
