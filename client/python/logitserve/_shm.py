@@ -10,6 +10,8 @@ or write in place: `a = region.ndarray((n, H), np.uint16)` then fill `a` and pas
 came back; close() (unregister) returns only once the server reads the region no more.
 """
 
+import os
+
 import numpy as np
 
 from . import _pb
@@ -58,13 +60,16 @@ class SharedTensor:
 class SharedMemoryRegion:
     """A POSIX shared-memory object this process creates (multiprocessing.shared_memory), maps
     read-write and registers with the server (RegisterSharedMemory) under `name` (default: the
-    object's own name). `client` is a logitserve.Client on the same host. close() unregisters
+    object's own name). `client` is a logitserve.Client on the same host. The object is created
+    with mode 0600 (`mode` changes it: the server's user must be able to read it). close() unregisters
     (waiting for requests that read it), then unmaps and unlinks the object."""
 
-    def __init__(self, client, size, name=None):
+    def __init__(self, client, size, name=None, mode=None):
         from multiprocessing import shared_memory
         self._client = client
         self._shm = shared_memory.SharedMemory(create=True, size=int(size))
+        if mode is not None:  # e.g. 0o640 for a server running as another user of the group
+            os.fchmod(self._shm._fd, mode)
         self.key = "/" + self._shm.name.lstrip("/")
         self.name = name or self._shm.name.lstrip("/")
         self.size = int(size)
