@@ -345,7 +345,9 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
   const size_t streams = std::min(plan.size(), 1 + pipeline_scorers_.size());
   std::vector<PipelineOutcome> outcomes(streams);
   // Retried as a whole on UNAVAILABLE (Score is idempotent); a failed chunk is not retried.
-  const grpc::Status status = CallWithRetry([&](grpc::ClientContext& first_context) {
+  std::chrono::system_clock::time_point deadline;
+  grpc::Status status = CallWithRetry([&](grpc::ClientContext& first_context) {
+    deadline = first_context.deadline();
     std::vector<std::unique_ptr<grpc::ClientContext>> own(streams);
     std::vector<grpc::ClientContext*> contexts(streams, &first_context);
     for (size_t s = 1; s < streams; ++s) {
@@ -379,6 +381,14 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
     }
     return first_error;
   });
+  // The server ends a stream whose deadline passed as CANCELLED, and may say so before the
+  // client's own timer fires; this client cancels only after a failed chunk (handled below).
+  if (status.error_code() == grpc::StatusCode::CANCELLED &&
+      std::chrono::system_clock::now() >= deadline) {
+    status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("deadline of ", absl::FormatDuration(options_.rpc_timeout),
+                                       " exceeded (", plan.size(), "-chunk pipelined request)"));
+  }
   PipelineOutcome outcome;
   for (size_t s = 0; s < streams; ++s) {
     if (outcomes[s].failed_chunk >= 0 &&

@@ -7,7 +7,8 @@
 #   bench/rpc/run_wire_bench.sh [BUILD_DIR | BIN_DIR]   (default: build)
 # BIN_DIR: a folder holding logitserve and logitserve-wire-bench (the device bundle's bin/; its
 # lib/ and python/ beside it go on LD_LIBRARY_PATH and PYTHONPATH).
-# Settings (environment): BACKEND (cpu), HEAD_SPEC (policy:vocab=256,hidden=4096,seed=1), ROWS
+# Settings (environment): PIPELINE_ARGS (e.g. "--pipeline-chunk-bytes 8388608 --pipeline-streams
+# 4", passed to both benchmarks), BACKEND (cpu), HEAD_SPEC (policy:vocab=256,hidden=4096,seed=1), ROWS
 # (64,256,1024,4096,8192), ITERS (5), RATE_SECONDS (2), SERVER_ARGS (extra server flags), PYTHON
 # (python3), OUT (results folder, default ./wire-bench). GPU machine, from the unpacked bundle:
 #   BACKEND=cuda HEAD_SPEC=policy:vocab=151936,hidden=4096,seed=1 \
@@ -51,11 +52,11 @@ echo "== machine: $(nproc) cores, $(uptime)"
 echo "== 1. C++ client ($BACKEND, $HEAD_SPEC)"
 rc=0
 "$BENCH" --target "$ADDR" --rows "$ROWS" --iters "$ITERS" --rate-seconds "$RATE_SECONDS" \
-  --json "$OUT/wire_cpp.json" || rc=$?
+  ${PIPELINE_ARGS:-} --json "$OUT/wire_cpp.json" || rc=$?
 echo "== 2. Python client"
 "$PYTHON" "$PY_BENCH" --target "$ADDR" --rows "$ROWS" --iters "$ITERS" \
   --rate-seconds "$RATE_SECONDS" --transfer-json "$OUT/wire_cpp.json" \
-  --json "$OUT/wire_py.json" || rc=$?
+  ${PIPELINE_ARGS:-} --json "$OUT/wire_py.json" || rc=$?
 echo "== machine after: $(uptime)"
 kill -TERM "$PID"
 wait "$PID" || true

@@ -111,12 +111,21 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--rate-seconds", rate_seconds, "Minimum duration of each end-to-end rate run")
       ->capture_default_str();
+  lc::ClientOptions piped_options;
+  app.add_option("--pipeline-chunk-bytes", piped_options.pipeline_chunk_bytes,
+                 "Client pipelining: bytes per chunk (0 = off)")
+      ->capture_default_str();
+  app.add_option("--pipeline-depth", piped_options.pipeline_depth,
+                 "Client pipelining: chunks unanswered per stream")
+      ->capture_default_str();
+  app.add_option("--pipeline-streams", piped_options.pipeline_streams,
+                 "Client pipelining: streams (connections)")
+      ->capture_default_str();
   app.add_option("--token", token, "Bearer token");
   app.add_flag("--no-shm", no_shm, "Skip the shared-memory measurement (server on another host)");
   app.add_option("--json", json_path, "Also write the results as JSON");
   CLI11_PARSE(app, argc, argv);
 
-  lc::ClientOptions piped_options;
   piped_options.bearer_token = token;
   piped_options.rpc_timeout = absl::Seconds(600);
   lc::ClientOptions unpiped_options = piped_options;
@@ -334,6 +343,7 @@ int main(int argc, char** argv) {
                            {"iters", iters},
                            {"pipeline_chunk_bytes", piped_options.pipeline_chunk_bytes},
                            {"pipeline_depth", piped_options.pipeline_depth},
+                           {"pipeline_streams", piped_options.pipeline_streams},
                            {"results", results}})
                .dump(2)
         << "\n";

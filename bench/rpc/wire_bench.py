@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=0)
     ap.add_argument("--rate-seconds", type=float, default=2.0)
+    ap.add_argument("--pipeline-chunk-bytes", type=int, default=4 << 20)
+    ap.add_argument("--pipeline-depth", type=int, default=4)
+    ap.add_argument("--pipeline-streams", type=int, default=2)
     ap.add_argument("--token", default=None)
     ap.add_argument("--no-shm", action="store_true")
     ap.add_argument("--transfer-json", help="logitserve-wire-bench --json output (transfer_ms)")
@@ -53,15 +56,19 @@ def main():
     if args.transfer_json:
         for r in json.load(open(args.transfer_json))["results"]:
             transfer[r["rows"]] = r["transfer_ms"]
-    piped = logitserve.Client(args.target, token=args.token, timeout=600)
+    piped = logitserve.Client(args.target, token=args.token, timeout=600,
+                              pipeline_chunk_bytes=args.pipeline_chunk_bytes,
+                              pipeline_depth=args.pipeline_depth,
+                              pipeline_streams=args.pipeline_streams)
     unpiped = logitserve.Client(args.target, token=args.token, timeout=600,
                                 pipeline_chunk_bytes=0)
     heads = unpiped.list_heads()
     head = heads[args.head]
     V, H = head.vocab_size, head.hidden_size
-    print("backend %s, head %s (V = %d, H = %d), Python client (pipelining defaults), %d "
-          "iterations (medians), rates over >= %.1f s" % (heads.backend, args.head, V, H,
-                                                           args.iters, args.rate_seconds))
+    print("backend %s, head %s (V = %d, H = %d), Python client, pipelining %d-byte chunks x %d "
+          "in flight x %d streams; %d iterations (medians), rates over >= %.1f s" % (
+              heads.backend, args.head, V, H, args.pipeline_chunk_bytes, args.pipeline_depth,
+              args.pipeline_streams, args.iters, args.rate_seconds))
     print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s" % (
         "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
         "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong"))

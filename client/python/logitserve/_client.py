@@ -6,7 +6,7 @@ import time
 import grpc
 
 from . import _api, _pb, _wire
-from ._errors import LogitserveError, error_for, from_rpc_error
+from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
 
 
 class TlsConfig:
@@ -259,6 +259,7 @@ class Client:
         failed = []
 
         def attempt(_request, timeout, metadata):
+            started[0] = time.monotonic()
             responses[:] = [None] * len(chunks)  # a retried attempt starts over
             del failed[:]
             errors, calls = [], []
@@ -313,10 +314,16 @@ class Client:
             if failed:
                 return None
             real = [e for e in errors if e.code() != grpc.StatusCode.CANCELLED]
+            if not real and errors and time.monotonic() >= started[0] + (timeout or 1e300):
+                # The server ends a stream past its deadline as CANCELLED, possibly before the
+                # client's own timer fires; this client cancels only after a failed chunk.
+                raise DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
+                                       % (timeout, len(chunks)))
             if real or errors:
                 raise (real or errors)[0]
             return None
 
+        started = [time.monotonic()]
         self._call(attempt, None)
         if failed:
             i, resp = min(failed, key=lambda f: f[0])

@@ -58,3 +58,16 @@ def test_pipelined_error_names_the_row_of_the_whole_request(server):
             c.score(**req)
     assert "rows [30, 40) of 50" in e.value.details
     assert "row 37 contains +inf (column 2)" in e.value.details
+
+
+def test_deadline_covers_every_chunk(heads):
+    # 1 s per 64 rows: 20 chunks of 10 rows need >= 3 s; the timeout is 0.5 s.
+    from support import Server
+    import time
+    with Server(heads.flags() + ["--test-fault", "slow-tile:1000"]) as s, \
+            logitserve.Client(s.address, timeout=0.5, max_retries=0,
+                              pipeline_chunk_bytes=10 * ROW_BYTES) as c:
+        t0 = time.monotonic()
+        with pytest.raises(logitserve.DeadlineExceeded):
+            c.score(**_request(200, seed=4))
+        assert time.monotonic() - t0 < 1.5
