@@ -175,10 +175,10 @@ int main(int argc, char** argv) {
 
   std::printf(
       "backend %s, head %s (V = %lld, H = %lld), C++ client, pipelining %lld-byte chunks "
-      "x %d in flight; %d iterations (medians), rates over >= %.1f s\n",
+      "x %d in flight x %d streams; %d iterations (medians), rates over >= %.1f s\n",
       heads->backend.c_str(), head.c_str(), static_cast<long long>(vocab),
       static_cast<long long>(hidden), static_cast<long long>(piped_options.pipeline_chunk_bytes),
-      piped_options.pipeline_depth, iters, rate_seconds);
+      piped_options.pipeline_depth, piped_options.pipeline_streams, iters, rate_seconds);
   std::printf("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s\n", "rows", "MiB",
               "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms", "unpiped_ms",
               "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong");
