@@ -7,21 +7,24 @@ import grpc.aio
 
 from . import _api, _pb, _wire
 from ._client import _Settings
-from ._errors import LogitserveError, from_rpc_error
+from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
 
 
 class AsyncClient:
     """asyncio logitserve client; arguments as Client. Create it inside a running event loop
     (grpc.aio channels bind to it); `async with AsyncClient(...) as c:` closes the channel.
-    Chunks of a split request after the first run concurrently."""
+    Chunks of a request split by the server's limits run concurrently after the first; large
+    requests are pipelined over ScoreStream as in Client."""
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
-                 max_rows_per_request=None, channel_options=()):
+                 max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
+                 pipeline_depth=4, pipeline_streams=2):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
-                            split_requests, max_rows_per_request, channel_options)
+                            split_requests, max_rows_per_request, channel_options,
+                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams)
         if self._s.tls is not None:
             self._channel = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
                                                     options=self._s.options)
@@ -37,6 +40,20 @@ class AsyncClient:
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
+        self._pipeline_channels = []
+        for i in range(1, self._s.pipeline_streams):
+            opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
+                                            ("logitserve.pipeline_stream", i)]
+            if self._s.tls is not None:
+                ch = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
+                                             options=opts)
+            else:
+                ch = grpc.aio.insecure_channel(self._s.target, options=opts)
+            self._pipeline_channels.append(ch)
+        self._pipeline_methods = [
+            ch.stream_stream(_wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+                             response_deserializer=_wire.parse_score_response)
+            for ch in self._pipeline_channels]
         self._limits = None
         self._limits_lock = asyncio.Lock()
 
@@ -45,6 +62,8 @@ class AsyncClient:
         return self._s.target
 
     async def close(self):
+        for ch in self._pipeline_channels:
+            await ch.close()
         await self._channel.close()
 
     async def __aenter__(self):
@@ -97,6 +116,9 @@ class AsyncClient:
         chunks = [(0, meta.rows or 0, 0, len(request.message.sequence_lengths))]
         if self._s.split_requests:
             max_rows, max_bytes = await self._server_limits()
+            pipelined = self._s.pipeline_plan(request, meta, max_rows, max_bytes)
+            if pipelined is not None:
+                return await self._score_pipelined(request, meta, pipelined)
             chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
         if len(chunks) == 1:
             return _api.assemble([await self._call(self._score, request)], chunks, meta,
@@ -111,6 +133,82 @@ class AsyncClient:
         _api.pin_versions(request, first, meta)
         rest = await asyncio.gather(*[run(c) for c in chunks[1:]])
         return _api.assemble([first] + list(rest), chunks, meta, request.request_id)
+
+    async def _score_pipelined(self, request, meta, chunks):
+        """As Client._score_pipelined, on the event loop: chunk i on stream i % streams."""
+        streams = min(len(chunks), 1 + len(self._pipeline_methods))
+        responses = [None] * len(chunks)
+        failed = []
+        loop = asyncio.get_running_loop()
+        started = [loop.time()]
+
+        async def attempt(_request, timeout, metadata):
+            started[0] = loop.time()
+            responses[:] = [None] * len(chunks)
+            del failed[:]
+            errors, calls = [], []
+
+            def cancel_all():
+                for c in calls:
+                    c.cancel()
+
+            async def run(s):
+                window = asyncio.Semaphore(self._s.pipeline_depth)
+
+                async def gen():
+                    for i in range(s, len(chunks), streams):
+                        await window.acquire()
+                        if failed or errors:
+                            return
+                        w = _api.chunk_request(request, chunks[i])
+                        w.message.request_id = str(i)
+                        yield w
+
+                method = self._score_stream if s == 0 else self._pipeline_methods[s - 1]
+                call = method(gen(), timeout=timeout, metadata=metadata)
+                calls.append(call)
+                try:
+                    async for resp in call:
+                        i = int(resp.request_id)
+                        if resp.status_code:
+                            failed.append((i, resp))
+                            cancel_all()
+                            return
+                        responses[i] = resp
+                        window.release()
+                except grpc.aio.AioRpcError as e:
+                    errors.append(e)
+                    cancel_all()
+                except asyncio.CancelledError:
+                    if not (failed or errors):  # not cancelled by us: the caller's cancellation
+                        raise
+                finally:
+                    window.release()
+
+            try:
+                await asyncio.gather(*(run(s) for s in range(streams)))
+            except asyncio.CancelledError:
+                cancel_all()
+                raise
+            if failed:
+                return None
+            real = [e for e in errors if e.code() != grpc.StatusCode.CANCELLED]
+            if not real and errors and loop.time() >= started[0] + (timeout or 1e300):
+                raise DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
+                                       % (timeout, len(chunks)))
+            if real or errors:
+                raise (real or errors)[0]
+            return None
+
+        await self._call(attempt, None)
+        if failed:
+            i, resp = min(failed, key=lambda f: f[0])
+            raise _api.chunk_error(error_for(resp.status_code, resp.status_message), chunks[i],
+                                   meta.rows, len(chunks)) from None
+        if any(r is None for r in responses):
+            raise _api.Internal("ScoreStream ended before every chunk was answered")
+        _api.check_same_versions(responses, chunks)
+        return _api.assemble(responses, chunks, meta, request.request_id)
 
     async def score_stream(self, requests, timeout=None, raise_errors=False):
         """As Client.score_stream; `requests` may be a sync or an async iterable. An async
