@@ -57,7 +57,9 @@ cp bench/cuda/torch_baseline.py "$BUNDLE/bench/" 2>/dev/null || true
 # with its generated stubs (installed into a scratch venv here; the GPU machine needs grpcio,
 # protobuf and numpy of its own to run it).
 cp bench/rpc/run_wire_bench.sh bench/rpc/wire_bench.py bench/rpc/run_service_bench.sh "$BUNDLE/bench/"
-if bash client/python/ci/install.sh "$(command -v python3)" "$BUILD_DIR/bundle-venv" \
+bundle_python=/usr/bin/python3  # Debian's, with python3-grpcio / -protobuf (as CI's python tests)
+[ -x "$bundle_python" ] || bundle_python=$(command -v python3)
+if bash client/python/ci/install.sh "$bundle_python" "$BUILD_DIR/bundle-venv" \
     "$BUILD_DIR/bundle-stage" > /dev/null 2>&1; then
   mkdir -p "$BUNDLE/python"
   cp -r "$BUILD_DIR"/bundle-venv/lib/python3*/site-packages/logitserve "$BUNDLE/python/"
@@ -162,7 +164,8 @@ echo "logs in $out"
 EOF
 chmod +x "$BUNDLE/bin/run-gpu.sh"
 
-tar -C "$BUNDLE" -czf "$BUNDLE/pack/logitserve-bundle.tar.gz" bin lib bench
+tar -C "$BUNDLE" -czf "$BUNDLE/pack/logitserve-bundle.tar.gz" bin lib bench \
+  $([ -d "$BUNDLE/python" ] && echo python)
 echo "device-bundle: $(du -sh "$BUNDLE/bin" | cut -f1) bin, $(du -sh "$BUNDLE/lib" | cut -f1) lib;" \
      "packed $(du -h "$BUNDLE/pack/logitserve-bundle.tar.gz" | cut -f1) in .bundle/pack"
 ls "$BUNDLE/bin" "$BUNDLE/lib"
