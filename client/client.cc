@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "client/pipeline.h"
 #include "client/request_split.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -93,15 +96,30 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(std::string target, Clien
   if (channel == nullptr) {
     return absl::InternalError(absl::StrCat("could not create a channel to ", target));
   }
-  return std::unique_ptr<Client>(new Client(std::move(target), std::move(options), channel));
+  // Pipeline streams 1.. get connections of their own: a local subchannel pool (and a distinct
+  // argument) keeps gRPC from sharing the first channel's connection.
+  std::vector<std::shared_ptr<grpc::Channel>> pipeline_channels;
+  for (int i = 1; i < options.pipeline_streams; ++i) {
+    grpc::ChannelArguments own = args;
+    own.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    own.SetInt("logitserve.pipeline_stream", i);
+    pipeline_channels.push_back(grpc::CreateCustomChannel(target, credentials, own));
+  }
+  return std::unique_ptr<Client>(
+      new Client(std::move(target), std::move(options), channel, std::move(pipeline_channels)));
 }
 
-Client::Client(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+Client::Client(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel,
+               std::vector<std::shared_ptr<grpc::Channel>> pipeline_channels)
     : target_(std::move(target)),
       options_(std::move(options)),
       channel_(std::move(channel)),
       scorer_(v1::Scorer::NewStub(channel_)),
-      health_(grpc::health::v1::Health::NewStub(channel_)) {}
+      health_(grpc::health::v1::Health::NewStub(channel_)) {
+  for (const std::shared_ptr<grpc::Channel>& c : pipeline_channels) {
+    pipeline_scorers_.push_back(v1::Scorer::NewStub(c));
+  }
+}
 
 void Client::PrepareContext(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() +
@@ -213,6 +231,28 @@ absl::StatusOr<Client::Limits> Client::GetLimits() {
   return limits;
 }
 
+absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size) {
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  return FromGrpcStatus(CallWithRetry([&](grpc::ClientContext& context) {
+    return scorer_->RegisterSharedMemory(&context, request, &response);
+  }));
+}
+
+absl::Status Client::UnregisterSharedMemory(const std::string& name) {
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  return FromGrpcStatus(CallWithRetry([&](grpc::ClientContext& context) {
+    return scorer_->UnregisterSharedMemory(&context, request, &response);
+  }));
+}
+
 absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& request) {
   v1::ScoreResponse response;
   const grpc::Status status = CallWithRetry([&](grpc::ClientContext& context) {
@@ -237,6 +277,19 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
   absl::StatusOr<std::vector<RowChunk>> plan =
       PlanChunks(request, limits.max_rows, limits.max_bytes);
   if (!plan.ok()) return plan.status();
+  const int64_t row_bytes = RowBytes(request);
+  if (options_.split_requests && options_.pipeline_chunk_bytes > 0 && row_bytes > 0) {
+    const int64_t chunk_rows = std::max<int64_t>(1, options_.pipeline_chunk_bytes / row_bytes);
+    if (RequestRows(request) > chunk_rows) {
+      const int64_t max_rows =
+          limits.max_rows > 0 ? std::min(limits.max_rows, chunk_rows) : chunk_rows;
+      // Only a plan the server limits would not need can fail here (a sequence longer than a
+      // pipeline chunk): then the request goes as the limits split it.
+      absl::StatusOr<std::vector<RowChunk>> pipelined =
+          PlanChunks(request, max_rows, limits.max_bytes);
+      if (pipelined.ok() && pipelined->size() > 1) return ScorePipelined(request, *pipelined);
+    }
+  }
 
   ScoreOutput out;
   if (plan->size() == 1) {
@@ -261,12 +314,10 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
     absl::StatusOr<v1::ScoreResponse> response = ScoreOnce(chunk_request);
     if (!response.ok()) {
       const absl::Status& s = response.status();
-      return absl::Status(s.code(),
-                          absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end, ") of ",
-                                       total_rows, " (request split into ", plan->size(),
-                                       " chunks by the server's limits; row numbers in the message "
-                                       "below count from ",
-                                       chunk.row_begin, "): ", s.message()));
+      return absl::Status(s.code(), absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end,
+                                                 ") of ", total_rows, " (request split into ",
+                                                 plan->size(), " chunks by the server's limits): ",
+                                                 RebaseRowNumbers(s.message(), chunk.row_begin)));
     }
     if (absl::Status s = AppendChunkResponse(*response, chunk, out); !s.ok()) return s;
     // Pin the versions the first chunk used: a head swapped mid-request then fails the later
@@ -278,6 +329,110 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
       without_rows.set_reference_head_version(response->reference_head_version());
     }
   }
+  return out;
+}
+
+absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& request,
+                                                   const std::vector<RowChunk>& plan) {
+  v1::ScoreRequest without_rows = request;
+  without_rows.clear_hidden();
+  without_rows.clear_logits();
+  without_rows.clear_reference_hidden();
+  without_rows.clear_reference_logits();
+  without_rows.clear_target_ids();
+  without_rows.clear_sequence_lengths();
+  // Chunk i goes on stream i % streams; each stream runs on its own thread and connection.
+  const size_t streams = std::min(plan.size(), 1 + pipeline_scorers_.size());
+  std::vector<PipelineOutcome> outcomes(streams);
+  // Retried as a whole on UNAVAILABLE (Score is idempotent); a failed chunk is not retried.
+  std::chrono::system_clock::time_point deadline;
+  grpc::Status status = CallWithRetry([&](grpc::ClientContext& first_context) {
+    deadline = first_context.deadline();
+    std::vector<std::unique_ptr<grpc::ClientContext>> own(streams);
+    std::vector<grpc::ClientContext*> contexts(streams, &first_context);
+    for (size_t s = 1; s < streams; ++s) {
+      own[s] = std::make_unique<grpc::ClientContext>();
+      PrepareContext(*own[s]);
+      contexts[s] = own[s].get();
+    }
+    auto run = [&](size_t s) {
+      v1::Scorer::Stub& stub = s == 0 ? *scorer_ : *pipeline_scorers_[s - 1];
+      const size_t count = (plan.size() - s + streams - 1) / streams;
+      outcomes[s] = RunPipeline(
+          stub, *contexts[s], count,
+          [&](size_t j) { return MakeChunkRequest(request, without_rows, plan[s + j * streams]); },
+          options_.pipeline_depth);
+      if (outcomes[s].failed_chunk >= 0 || !outcomes[s].stream_status.ok()) {
+        for (grpc::ClientContext* c : contexts) c->TryCancel();  // the other streams stop too
+      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t s = 1; s < streams; ++s) threads.emplace_back(run, s);
+    run(0);
+    for (std::thread& t : threads) t.join();
+    grpc::Status first_error = grpc::Status::OK;
+    for (const PipelineOutcome& o : outcomes) {
+      if (o.failed_chunk >= 0) return grpc::Status::OK;  // reported below, not retried
+      // A stream cancelled because another failed says CANCELLED; the other's status is the one.
+      if (!o.stream_status.ok() &&
+          (first_error.ok() || first_error.error_code() == grpc::StatusCode::CANCELLED)) {
+        first_error = o.stream_status;
+      }
+    }
+    return first_error;
+  });
+  // The server ends a stream whose deadline passed as CANCELLED, and may say so before the
+  // client's own timer fires; this client cancels only after a failed chunk (handled below).
+  if (status.error_code() == grpc::StatusCode::CANCELLED &&
+      std::chrono::system_clock::now() >= deadline) {
+    status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("deadline of ", absl::FormatDuration(options_.rpc_timeout),
+                                       " exceeded (", plan.size(), "-chunk pipelined request)"));
+  }
+  PipelineOutcome outcome;
+  for (size_t s = 0; s < streams; ++s) {
+    if (outcomes[s].failed_chunk >= 0 &&
+        (outcome.failed_chunk < 0 ||
+         static_cast<int64_t>(s) + outcomes[s].failed_chunk * static_cast<int64_t>(streams) <
+             outcome.failed_chunk)) {
+      outcome.failed_chunk =
+          static_cast<int64_t>(s) + outcomes[s].failed_chunk * static_cast<int64_t>(streams);
+      outcome.chunk_error = outcomes[s].chunk_error;
+    }
+  }
+  if (outcome.failed_chunk < 0 && status.ok()) {
+    outcome.responses.resize(plan.size());
+    for (size_t s = 0; s < streams; ++s) {
+      for (size_t j = 0; j < outcomes[s].responses.size(); ++j) {
+        outcome.responses[s + j * streams] = std::move(outcomes[s].responses[j]);
+      }
+    }
+  }
+  const int64_t total_rows = RequestRows(request);
+  if (outcome.failed_chunk >= 0) {
+    const RowChunk& chunk = plan[static_cast<size_t>(outcome.failed_chunk)];
+    const absl::Status& s = outcome.chunk_error;
+    return absl::Status(
+        s.code(),
+        absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end, ") of ", total_rows,
+                     " (chunk ", outcome.failed_chunk + 1, " of ", plan.size(),
+                     " of a pipelined request): ", RebaseRowNumbers(s.message(), chunk.row_begin)));
+  }
+  if (!status.ok()) return FromGrpcStatus(status);
+  ScoreOutput out;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const v1::ScoreResponse& response = outcome.responses[i];
+    if (i > 0 && (response.head_version() != out.head_version ||
+                  response.reference_head_version() != out.reference_head_version)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "head_version: a head was replaced while the request was in flight (rows [",
+          plan[i].row_begin, ", ", plan[i].row_end, ") ran on version ", response.head_version(),
+          "/", response.reference_head_version(), ", earlier rows on ", out.head_version, "/",
+          out.reference_head_version, "); pin head_version or retry"));
+    }
+    if (absl::Status s = AppendChunkResponse(response, plan[i], out); !s.ok()) return s;
+  }
+  out.request_id = request.request_id();
   return out;
 }
 

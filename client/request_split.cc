@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <limits>
+#include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "client/tensor.h"
@@ -79,6 +82,36 @@ int64_t RequestRows(const v1::ScoreRequest& request) {
   if (request.hidden().shape_size() > 0) return request.hidden().shape(0);
   if (request.logits().shape_size() > 0) return request.logits().shape(0);
   return -1;
+}
+
+int64_t RowBytes(const v1::ScoreRequest& request) {
+  const int64_t rows = RequestRows(request);
+  if (rows <= 0) return 0;
+  absl::StatusOr<int64_t> bytes = BytesPerRow(PresentRowTensors(request), rows);
+  return bytes.ok() ? *bytes : 0;
+}
+
+std::string RebaseRowNumbers(absl::string_view message, int64_t first_row) {
+  constexpr absl::string_view kRow = "row ";
+  std::string out;
+  size_t at = 0;
+  while (at < message.size()) {
+    const size_t hit = message.find(kRow, at);
+    if (hit == absl::string_view::npos) break;
+    size_t digits = hit + kRow.size();
+    while (digits < message.size() && message[digits] >= '0' && message[digits] <= '9') ++digits;
+    const bool word_start = hit == 0 || !std::isalnum(static_cast<unsigned char>(message[hit - 1]));
+    int64_t row = 0;
+    if (word_start && digits > hit + kRow.size() &&
+        absl::SimpleAtoi(message.substr(hit + kRow.size(), digits - hit - kRow.size()), &row)) {
+      absl::StrAppend(&out, message.substr(at, hit - at), kRow, row + first_row);
+    } else {
+      absl::StrAppend(&out, message.substr(at, digits - at));
+    }
+    at = digits;
+  }
+  absl::StrAppend(&out, message.substr(std::min(at, message.size())));
+  return out;
 }
 
 absl::StatusOr<std::vector<RowChunk>> PlanChunks(const v1::ScoreRequest& request, int64_t max_rows,

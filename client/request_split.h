@@ -8,10 +8,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/client.h"
 #include "logitserve/v1/logitserve.pb.h"
 
@@ -33,6 +35,14 @@ inline constexpr int64_t kMessageHeadroomBytes = int64_t{64} * 1024;
 // N of the request: the first dimension of `hidden` or `logits`, or -1 when neither has a shape
 // (the server will reject such a request).
 int64_t RequestRows(const v1::ScoreRequest& request);
+
+// Bytes of one row of every row tensor the request carries in `data` together (shared-memory
+// tensors count 0); 0 when the tensors are inconsistent or N <= 0.
+int64_t RowBytes(const v1::ScoreRequest& request);
+
+// `message` (a server error about a chunk whose first row is `first_row` of the whole request)
+// with every "row R" turned into "row R + first_row", so it names the row of the whole request.
+std::string RebaseRowNumbers(absl::string_view message, int64_t first_row);
 
 // Plans the chunks: one chunk covering the request when it has at most `max_rows` rows (0 = no
 // row limit) and its row tensors fit in `max_bytes` (0 = no byte limit); else consecutive

@@ -95,8 +95,21 @@ absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": invalid shape [", absl::StrJoin(tensor.shape(), ", "), "]"));
   }
-  if (n > std::numeric_limits<int64_t>::max() / size ||
-      static_cast<int64_t>(tensor.data().size()) != n * size) {
+  if (n > std::numeric_limits<int64_t>::max() / size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape [", absl::StrJoin(tensor.shape(), ", "), "] is too large"));
+  }
+  if (tensor.has_shared_memory()) {  // the server checks the range against the region
+    const uint64_t declared = tensor.shared_memory().byte_size();
+    if (!tensor.data().empty() || (declared != 0 && declared != static_cast<uint64_t>(n * size))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": a shared-memory tensor needs empty data and byte_size 0 or ",
+                       n * size, " (shape [", absl::StrJoin(tensor.shape(), ", "), "] of ",
+                       DTypeName(tensor.dtype()), ")"));
+    }
+    return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(tensor.data().size()) != n * size) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": ", tensor.data().size(), " data bytes do not match shape [",
                      absl::StrJoin(tensor.shape(), ", "), "] of ", DTypeName(tensor.dtype())));
@@ -106,6 +119,9 @@ absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field) {
 
 absl::StatusOr<std::vector<float>> FloatsOf(const v1::Tensor& tensor) {
   if (absl::Status s = CheckTensor(tensor, "tensor"); !s.ok()) return s;
+  if (tensor.has_shared_memory()) {
+    return absl::InvalidArgumentError("tensor: its bytes are in shared memory, not in data");
+  }
   const std::string& data = tensor.data();
   const int64_t n = static_cast<int64_t>(data.size()) / wire::DTypeSize(tensor.dtype());
   std::vector<float> out(n);
@@ -120,6 +136,9 @@ absl::StatusOr<std::vector<float>> FloatsOf(const v1::Tensor& tensor) {
 
 absl::StatusOr<std::vector<int64_t>> IntsOf(const v1::Tensor& tensor) {
   if (absl::Status s = CheckTensor(tensor, "tensor"); !s.ok()) return s;
+  if (tensor.has_shared_memory()) {
+    return absl::InvalidArgumentError("tensor: its bytes are in shared memory, not in data");
+  }
   const std::string& data = tensor.data();
   if (tensor.dtype() == v1::INT64) {
     std::vector<int64_t> out(data.size() / 8);
@@ -145,6 +164,13 @@ v1::Tensor SliceRows(const v1::Tensor& tensor, int64_t begin, int64_t end) {
     row_elements *= tensor.shape(i);
   }
   const int64_t row_bytes = row_elements * wire::DTypeSize(tensor.dtype());
+  if (tensor.has_shared_memory()) {  // the same bytes, named in place
+    v1::SharedMemoryRef* ref = out.mutable_shared_memory();
+    ref->set_region(tensor.shared_memory().region());
+    ref->set_offset(tensor.shared_memory().offset() + static_cast<uint64_t>(begin * row_bytes));
+    ref->set_byte_size(static_cast<uint64_t>((end - begin) * row_bytes));
+    return out;
+  }
   out.mutable_data()->assign(tensor.data(), begin * row_bytes, (end - begin) * row_bytes);
   return out;
 }

@@ -34,8 +34,9 @@ v1::Tensor Float16TensorFromBits(std::span<const uint16_t> bits, const std::vect
 // "float32", "bfloat16", "float16", "int32", "int64" (or "unspecified").
 const char* DTypeName(v1::DType dtype);
 
-// OK when every dim is >= 0, the dtype is known and len(data) == product(shape) * size(dtype).
-// `field` names the tensor in the error message.
+// OK when every dim is >= 0, the dtype is known and len(data) == product(shape) * size(dtype);
+// for a tensor naming shared memory: data empty and byte_size 0 or that product (the server
+// checks the range against its region). `field` names the tensor in the error message.
 absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field);
 
 // The elements of a floating-point tensor converted exactly to fp32 (bf16 and fp16 upcast
@@ -46,8 +47,9 @@ absl::StatusOr<std::vector<float>> FloatsOf(const v1::Tensor& tensor);
 // tensor.
 absl::StatusOr<std::vector<int64_t>> IntsOf(const v1::Tensor& tensor);
 
-// Rows [begin, end) of a tensor along its first dimension (a copy). REQUIRES: CheckTensor(t) is
-// OK, t has rank >= 1 and 0 <= begin <= end <= t.shape(0).
+// Rows [begin, end) of a tensor along its first dimension (a copy; for a shared-memory tensor,
+// the same region with the offset and byte_size of those rows). REQUIRES: CheckTensor(t) is OK,
+// t has rank >= 1 and 0 <= begin <= end <= t.shape(0).
 v1::Tensor SliceRows(const v1::Tensor& tensor, int64_t begin, int64_t end);
 
 }  // namespace logitserve::client

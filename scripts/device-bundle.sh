@@ -37,7 +37,7 @@ wanted=(logitserve logitserve-cli cuda_kernels_test cuda_backend_test
         cuda_backend_conformance_test cuda_backend_edge_cases_test cuda_backend_determinism_test
         cuda_fault_test cuda_sticky_fault_test watchdog_test logitserve-kernel-bench
         cuda_server_fault_test service_e2e_test serving_e2e_test load_head_e2e_test
-        client_e2e_test logitserve-bench logitserve-rpc-bench)
+        client_e2e_test logitserve-bench logitserve-rpc-bench logitserve-wire-bench)
 targets=()
 for t in "${wanted[@]}"; do
   if grep -qx "$t" <<<"$available"; then targets+=("$t"); else echo "device-bundle: no target $t (skipped)"; fi
@@ -53,6 +53,20 @@ for t in "${targets[@]}"; do
   strip --strip-unneeded "$BUNDLE/bin/$t"
 done
 cp bench/cuda/torch_baseline.py bench/cuda/triton_peer.py "$BUNDLE/bench/"
+# The wire benchmarks (issue 12): the runner, the Python client's benchmark and the Python package
+# with its generated stubs (installed into a scratch venv here; the GPU machine needs grpcio,
+# protobuf and numpy of its own to run it).
+cp bench/rpc/run_wire_bench.sh bench/rpc/wire_bench.py bench/rpc/run_service_bench.sh "$BUNDLE/bench/"
+bundle_python=/usr/bin/python3  # Debian's, with python3-grpcio / -protobuf (as CI's python tests)
+[ -x "$bundle_python" ] || bundle_python=$(command -v python3)
+if bash client/python/ci/install.sh "$bundle_python" "$BUILD_DIR/bundle-venv" \
+    "$BUILD_DIR/bundle-stage" > /dev/null 2>&1; then
+  mkdir -p "$BUNDLE/python"
+  cp -r "$BUILD_DIR"/bundle-venv/lib/python3*/site-packages/logitserve "$BUNDLE/python/"
+  rm -rf "$BUNDLE/python/logitserve/__pycache__" "$BUNDLE/python/logitserve/v1/__pycache__"
+else
+  echo "device-bundle: could not install the Python package (wire_bench.py will not run)"
+fi
 
 # Shared libraries: everything ldd resolves, minus the system's own C/C++ runtime and NCCL.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libmvec\.|libpthread\.|libdl\.|librt\.|libresolv\.|libutil\.|libanl\.|libnsl\.|libBrokenLocale\.|libnss_|libstdc\+\+\.|libgcc_s\.|libnccl\.)'
@@ -150,7 +164,8 @@ echo "logs in $out"
 EOF
 chmod +x "$BUNDLE/bin/run-gpu.sh"
 
-tar -C "$BUNDLE" -czf "$BUNDLE/pack/logitserve-bundle.tar.gz" bin lib bench
+tar -C "$BUNDLE" -czf "$BUNDLE/pack/logitserve-bundle.tar.gz" bin lib bench \
+  $([ -d "$BUNDLE/python" ] && echo python)
 echo "device-bundle: $(du -sh "$BUNDLE/bin" | cut -f1) bin, $(du -sh "$BUNDLE/lib" | cut -f1) lib;" \
      "packed $(du -h "$BUNDLE/pack/logitserve-bundle.tar.gz" | cut -f1) in .bundle/pack"
 ls "$BUNDLE/bin" "$BUNDLE/lib"

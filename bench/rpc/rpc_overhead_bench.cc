@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/rpc/echo_service.h"
 #include "logitserve/kernels/dtype.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -37,49 +38,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr double kTransferFactor = 1.3;  // SPEC §9
-constexpr const char* kEchoMethod = "/logitserve.bench.Echo/Transfer";
-
-// Receives one message, checks its size, answers with `reply`.
-class EchoService final : public grpc::CallbackGenericService {
- public:
-  void Expect(size_t request_bytes, grpc::ByteBuffer reply) {
-    expected_bytes_ = request_bytes;
-    reply_ = std::move(reply);
-  }
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
-    return new Reactor(this);
-  }
-
- private:
-  class Reactor final : public grpc::ServerGenericBidiReactor {
-   public:
-    explicit Reactor(EchoService* service) : service_(service) { StartRead(&in_); }
-    void OnReadDone(bool ok) override {
-      if (!ok) {
-        Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
-        return;
-      }
-      if (in_.Length() != service_->expected_bytes_) {
-        Finish(grpc::Status(grpc::StatusCode::DATA_LOSS, "request size mismatch"));
-        return;
-      }
-      StartWriteAndFinish(&service_->reply_, grpc::WriteOptions(), grpc::Status::OK);
-    }
-    void OnDone() override { delete this; }
-
-   private:
-    EchoService* service_;
-    grpc::ByteBuffer in_;
-  };
-
-  size_t expected_bytes_ = 0;
-  grpc::ByteBuffer reply_;  // read-only while calls run
-};
-
-grpc::ByteBuffer BufferOf(const std::string& bytes) {
-  grpc::Slice slice(bytes);
-  return grpc::ByteBuffer(&slice, 1);
-}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -138,7 +96,7 @@ int main(int argc, char** argv) {
   }
 
   // The in-process raw-transfer server.
-  EchoService echo;
+  logitserve::bench::EchoService echo;
   grpc::ServerBuilder builder;
   int echo_port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
@@ -203,15 +161,15 @@ int main(int argc, char** argv) {
     double w, c, q;
     const v1::ScoreResponse sample = score(&w, &c, &q);
     const std::string reply_bytes = sample.SerializeAsString();
-    echo.Expect(request_bytes.size(), BufferOf(reply_bytes));
-    const grpc::ByteBuffer request_buffer = BufferOf(request_bytes);
+    echo.Expect(request_bytes.size(), logitserve::bench::BufferOf(reply_bytes));
+    const grpc::ByteBuffer request_buffer = logitserve::bench::BufferOf(request_bytes);
     auto transfer = [&]() {
       grpc::ClientContext ctx;
       grpc::ByteBuffer reply;
       std::promise<grpc::Status> done;
       const Clock::time_point t0 = Clock::now();
-      raw.UnaryCall(&ctx, kEchoMethod, grpc::StubOptions(), &request_buffer, &reply,
-                    [&done](grpc::Status s) { done.set_value(std::move(s)); });
+      raw.UnaryCall(&ctx, logitserve::bench::kEchoMethod, grpc::StubOptions(), &request_buffer,
+                    &reply, [&done](grpc::Status s) { done.set_value(std::move(s)); });
       const grpc::Status s = done.get_future().get();
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       if (!s.ok() || reply.Length() != reply_bytes.size()) {

@@ -35,6 +35,7 @@
 #include "server/service/auth.h"
 #include "server/service/metrics.h"
 #include "server/service/service.h"
+#include "server/service/shm_registry.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -71,6 +72,7 @@ struct Flags {
   int64_t max_receive_message_bytes = kDefaultMaxReceiveBytes;
   double drain_seconds = 10.0;
   std::string log_level = "info";
+  int max_shared_memory_regions = 64;
 };
 
 void AddFlags(CLI::App& app, Flags& f) {
@@ -152,6 +154,11 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--max-receive-message-bytes", f.max_receive_message_bytes,
                  "Largest request message in bytes; more is RESOURCE_EXHAUSTED")
       ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}))
+      ->capture_default_str();
+  app.add_option("--max-shared-memory-regions", f.max_shared_memory_regions,
+                 "POSIX shared-memory regions clients may register for in-place inputs at once "
+                 "(0 = shared-memory inputs off)")
+      ->check(CLI::Range(0, 1 << 16))
       ->capture_default_str();
   app.add_option("--drain-timeout,--drain-seconds", f.drain_seconds,
                  "On SIGTERM/SIGINT, how long in-flight requests may take to finish")
@@ -460,6 +467,8 @@ int Run(int argc, char** argv) {
   options.on_fatal = [&fatal](const absl::Status& s) { fatal.Raise(s); };
   options.authorizer = authorizer->get();
   options.metrics = &metrics;
+  SharedMemoryRegistry shared_memory(flags.max_shared_memory_regions);  // outlives the service
+  options.shared_memory = &shared_memory;
   AddGaugeSources(backend->get(), &heads, metrics);
   std::unique_ptr<MetricsHttpServer> metrics_http;  // stopped before heads / backend go away
   if (!serving.metrics_listen.empty()) {

@@ -11,6 +11,7 @@
 #include "common/wire/dtype.h"
 #include "server/service/metrics.h"
 #include "server/service/sequence_sums.h"
+#include "server/service/shm_registry.h"
 #include "server/service/status.h"
 #include "spdlog/spdlog.h"
 
@@ -124,8 +125,23 @@ void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Score
     done(absl::UnavailableError("server is shutting down"), {}, {}, {}, {});
     return;
   }
+  // Leases on the shared-memory regions the request's tensors name: they keep the regions mapped
+  // (and their Unregister calls waiting) until the job is done.
+  auto leases = std::make_shared<std::vector<std::shared_ptr<const SharedMemoryRegion>>>();
   absl::StatusOr<ValidatedRequest> validated = ValidateScoreRequest(
-      request, [this](const std::string& name) { return heads_->Find(name); }, options_.limits);
+      request, [this](const std::string& name) { return heads_->Find(name); }, options_.limits,
+      [this, &leases](absl::string_view field, const v1::SharedMemoryRef& ref,
+                      uint64_t bytes) -> absl::StatusOr<absl::string_view> {
+        if (options_.shared_memory == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".shared_memory: this server takes no shared-memory inputs"));
+        }
+        absl::StatusOr<SharedMemoryRegistry::Resolved> r =
+            options_.shared_memory->Resolve(field, ref.region(), ref.offset(), bytes);
+        if (!r.ok()) return r.status();
+        leases->push_back(std::move(r->lease));
+        return r->bytes;
+      });
   if (!validated.ok()) {
     spdlog::debug("Score request '{}' rejected: {}", request.request_id(),
                   validated.status().ToString());
@@ -140,7 +156,7 @@ void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Score
   item.stop = [context] { return StopStatus(context); };
   item.precheck = CheckHiddenStatesFinite;
   Metrics* metrics = options_.metrics;
-  item.done = [state, done, metrics, id = request.request_id()](
+  item.done = [state, done, metrics, leases, id = request.request_id()](
                   absl::Status status, ScoreResult result, const ScoreJob& job,
                   const Scheduler::Timing& timing) {
     if (status.ok()) status = CheckResultShape(job, result);

@@ -34,7 +34,8 @@
 
 namespace logitserve {
 
-class Metrics;     // server/service/metrics.h
+class Metrics;               // server/service/metrics.h
+class SharedMemoryRegistry;  // server/service/shm_registry.h
 
 struct ServiceOptions {
   RequestLimits limits;
@@ -45,6 +46,9 @@ struct ServiceOptions {
   const Authorizer* authorizer = nullptr;
   // Prometheus metrics sink (nullptr = none); must outlive the service.
   Metrics* metrics = nullptr;
+  // Shared-memory regions tensors may name (nullptr = none: such tensors and the
+  // (Un)RegisterSharedMemory RPCs fail); must outlive the service.
+  SharedMemoryRegistry* shared_memory = nullptr;
   // LoadHead: largest upload (weight + bias bytes) accepted.
   int64_t max_head_bytes = int64_t{16} << 30;
   // Called once (from a scheduler worker) when the backend reports a fatal device error; the
@@ -68,6 +72,13 @@ class ScorerService final : public v1::Scorer::CallbackService {
   // Defined in load_head.cc.
   grpc::ServerReadReactor<v1::LoadHeadChunk>* LoadHead(grpc::CallbackServerContext* context,
                                                        v1::HeadInfo* response) override;
+  // Defined in shared_memory_rpc.cc. Unregister answers once no request reads the region.
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
 
   // From now on, new Score calls fail with UNAVAILABLE; queued and running ones complete.
   void StartDraining();

@@ -28,10 +28,18 @@ std::string ShapeString(const v1::Tensor& t) {
 
 enum class ElementKind { kFloat, kIndex };
 
-// Checks dtype, rank, dims and byte length of `t`; returns its dims.
-absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
-                                                 ElementKind kind, int min_rank, int max_rank,
-                                                 absl::string_view layout) {
+// A checked tensor: its dims and where its bytes are (Tensor.data or shared memory).
+struct CheckedTensor {
+  std::vector<int64_t> dims;
+  absl::string_view bytes;
+};
+
+// Checks dtype, rank, dims and byte length of `t` (in `data`, or the range it names in shared
+// memory, resolved only once dtype and shape passed); returns its dims and bytes.
+absl::StatusOr<CheckedTensor> CheckTensor(const v1::Tensor& t, absl::string_view field,
+                                          ElementKind kind, int min_rank, int max_rank,
+                                          absl::string_view layout,
+                                          SharedMemoryResolver shared_memory) {
   const bool supported = kind == ElementKind::kFloat ? wire::FloatTypeOf(t.dtype()).has_value()
                                                      : wire::IsIndexDType(t.dtype());
   if (!supported) {
@@ -61,17 +69,36 @@ absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::stri
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": shape ", ShapeString(t), " has too many bytes"));
   }
+  CheckedTensor checked{std::vector<int64_t>(t.shape().begin(), t.shape().end()), t.data()};
+  if (t.has_shared_memory()) {
+    const v1::SharedMemoryRef& ref = t.shared_memory();
+    if (!t.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": data (", t.data().size(), " bytes) must be empty when shared_memory is set"));
+    }
+    if (ref.byte_size() != 0 && ref.byte_size() != static_cast<uint64_t>(bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shared_memory.byte_size: ", ref.byte_size(), " bytes, but shape ",
+                       ShapeString(t), " of ", wire::DTypeName(t.dtype()), " needs ", bytes));
+    }
+    absl::StatusOr<absl::string_view> view =
+        shared_memory(field, ref, static_cast<uint64_t>(bytes));
+    if (!view.ok()) return view.status();
+    checked.bytes = *view;
+    return checked;
+  }
   if (static_cast<uint64_t>(bytes) != t.data().size()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", t.data().size(),
                                                    " bytes, but shape ", ShapeString(t), " of ",
                                                    wire::DTypeName(t.dtype()), " needs ", bytes));
   }
-  return std::vector<int64_t>(t.shape().begin(), t.shape().end());
+  return checked;
 }
 
-// REQUIRES: CheckTensor accepted `t` as a float tensor of rank 2 (`dims`).
-MatrixView ViewOf(const v1::Tensor& t, const std::vector<int64_t>& dims) {
-  return MatrixView{*wire::FloatTypeOf(t.dtype()), dims[0], dims[1], t.data().data()};
+// REQUIRES: CheckTensor accepted `t` as a float tensor of rank 2 (`checked`).
+MatrixView ViewOf(const v1::Tensor& t, const CheckedTensor& checked) {
+  return MatrixView{*wire::FloatTypeOf(t.dtype()), checked.dims[0], checked.dims[1],
+                    checked.bytes.data()};
 }
 
 // Returns the index of the first NaN / +-inf among n elements, or -1. The exponent field is all
@@ -161,11 +188,9 @@ struct SideInput {
 
 // Validates one distribution's input; fills `out` (views, head, field) and its version and
 // returns its [rows, vocab].
-absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(const SideInput& in,
-                                                         const SideNames& names, HeadResolver heads,
-                                                         const RequestLimits& limits,
-                                                         DistributionInput* out,
-                                                         uint64_t* version) {
+absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
+    const SideInput& in, const SideNames& names, HeadResolver heads, const RequestLimits& limits,
+    SharedMemoryResolver shared_memory, DistributionInput* out, uint64_t* version) {
   if (in.has_hidden == in.has_logits) {
     return absl::InvalidArgumentError(absl::StrCat("exactly one of ", names.hidden, " or ",
                                                    names.logits, " must be set, got ",
@@ -181,11 +206,11 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(const SideInput& in,
       return absl::InvalidArgumentError(
           absl::StrCat(names.version, ": set, but ", names.logits, " use no head"));
     }
-    absl::StatusOr<std::vector<int64_t>> dims =
-        CheckTensor(in.logits, names.logits, ElementKind::kFloat, 2, 2, "2 ([N, V])");
-    if (!dims.ok()) return dims.status();
-    const int64_t rows = (*dims)[0];
-    const int64_t vocab = (*dims)[1];
+    absl::StatusOr<CheckedTensor> checked = CheckTensor(
+        in.logits, names.logits, ElementKind::kFloat, 2, 2, "2 ([N, V])", shared_memory);
+    if (!checked.ok()) return checked.status();
+    const int64_t rows = checked->dims[0];
+    const int64_t vocab = checked->dims[1];
     if (rows > limits.max_tokens_per_request) {
       return absl::ResourceExhaustedError(
           absl::StrCat(names.logits, ": ", rows, " rows exceed the server limit of ",
@@ -195,7 +220,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(const SideInput& in,
       return absl::InvalidArgumentError(absl::StrCat(names.logits, ": vocabulary size ", vocab,
                                                      " is outside [1, ", kInt32Max, "]"));
     }
-    out->logits = ViewOf(in.logits, *dims);
+    out->logits = ViewOf(in.logits, *checked);
     out->field = names.logits;
     *version = 0;
     return std::make_pair(rows, vocab);
@@ -204,9 +229,10 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(const SideInput& in,
   if (in.head.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(names.head, ": required with ", names.hidden));
   }
-  absl::StatusOr<std::vector<int64_t>> dims =
-      CheckTensor(in.hidden, names.hidden, ElementKind::kFloat, 2, 2, "2 ([N, H])");
-  if (!dims.ok()) return dims.status();
+  absl::StatusOr<CheckedTensor> checked =
+      CheckTensor(in.hidden, names.hidden, ElementKind::kFloat, 2, 2, "2 ([N, H])", shared_memory);
+  if (!checked.ok()) return checked.status();
+  const std::vector<int64_t>* dims = &checked->dims;
   const int64_t rows = (*dims)[0];
   if (rows > limits.max_tokens_per_request) {
     return absl::ResourceExhaustedError(
@@ -228,7 +254,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(const SideInput& in,
                                                    " != hidden size ", w.hidden_size, " of ",
                                                    names.head, " '", in.head, "'"));
   }
-  out->hidden = ViewOf(in.hidden, *dims);
+  out->hidden = ViewOf(in.hidden, *checked);
   out->head = std::move(head);
   out->field = names.hidden;
   *version = w.version;
@@ -243,10 +269,12 @@ absl::Status CheckTemperature(bool has, float t, absl::string_view field) {
 }
 
 absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
-                              int32_t ignore_index, int32_t max_ids_per_row, ScoreJob* job) {
-  absl::StatusOr<std::vector<int64_t>> dims =
-      CheckTensor(t, "target_ids", ElementKind::kIndex, 1, 2, "1 ([N]) or 2 ([N, K])");
-  if (!dims.ok()) return dims.status();
+                              int32_t ignore_index, int32_t max_ids_per_row,
+                              SharedMemoryResolver shared_memory, ScoreJob* job) {
+  absl::StatusOr<CheckedTensor> checked = CheckTensor(t, "target_ids", ElementKind::kIndex, 1, 2,
+                                                      "1 ([N]) or 2 ([N, K])", shared_memory);
+  if (!checked.ok()) return checked.status();
+  const std::vector<int64_t>* dims = &checked->dims;
   if ((*dims)[0] != rows) {
     return absl::InvalidArgumentError(absl::StrCat(
         "target_ids: ", (*dims)[0], " rows != N = ", rows, " rows of the model input"));
@@ -262,7 +290,7 @@ absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
   const int64_t n = rows * k;  // == product(shape), checked by CheckTensor
   job->ids_per_row = static_cast<int32_t>(k);
   job->target_ids.resize(n);
-  const char* data = t.data().data();
+  const char* data = checked->bytes.data();
   const bool is64 = t.dtype() == v1::INT64;
   for (int64_t i = 0; i < n; ++i) {
     int64_t id;
@@ -292,6 +320,19 @@ absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
 absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
                                                       HeadResolver heads,
                                                       const RequestLimits& limits) {
+  return ValidateScoreRequest(
+      request, heads, limits,
+      [](absl::string_view field, const v1::SharedMemoryRef&,
+         uint64_t) -> absl::StatusOr<absl::string_view> {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".shared_memory: shared-memory inputs are not available here"));
+      });
+}
+
+absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
+                                                      HeadResolver heads,
+                                                      const RequestLimits& limits,
+                                                      SharedMemoryResolver shared_memory) {
   ValidatedRequest v;
   ScoreJob& job = v.job;
 
@@ -303,8 +344,8 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
       request.has_logits(),
       request.logits(),
       request.has_head_version() ? std::optional<uint64_t>(request.head_version()) : std::nullopt};
-  absl::StatusOr<std::pair<int64_t, int64_t>> model_shape =
-      ValidateSide(model_in, kModelNames, heads, limits, &job.model, &v.head_version);
+  absl::StatusOr<std::pair<int64_t, int64_t>> model_shape = ValidateSide(
+      model_in, kModelNames, heads, limits, shared_memory, &job.model, &v.head_version);
   if (!model_shape.ok()) return model_shape.status();
   job.rows = model_shape->first;
   job.vocab = model_shape->second;
@@ -363,8 +404,9 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
                            request.has_reference_head_version()
                                ? std::optional<uint64_t>(request.reference_head_version())
                                : std::nullopt};
-    absl::StatusOr<std::pair<int64_t, int64_t>> ref_shape = ValidateSide(
-        ref_in, kReferenceNames, heads, limits, &job.reference, &v.reference_head_version);
+    absl::StatusOr<std::pair<int64_t, int64_t>> ref_shape =
+        ValidateSide(ref_in, kReferenceNames, heads, limits, shared_memory, &job.reference,
+                     &v.reference_head_version);
     if (!ref_shape.ok()) return ref_shape.status();
     if (ref_shape->first != job.rows) {
       return absl::InvalidArgumentError(absl::StrCat(job.reference.field, ": ", ref_shape->first,
@@ -383,8 +425,9 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
   // Target ids.
   job.ignore_index = request.has_ignore_index() ? request.ignore_index() : kDefaultIgnoreIndex;
   if (request.has_target_ids()) {
-    if (absl::Status s = ConvertTargetIds(request.target_ids(), job.rows, job.vocab,
-                                          job.ignore_index, limits.max_target_ids_per_row, &job);
+    if (absl::Status s =
+            ConvertTargetIds(request.target_ids(), job.rows, job.vocab, job.ignore_index,
+                             limits.max_target_ids_per_row, shared_memory, &job);
         !s.ok()) {
       return s;
     }

@@ -11,9 +11,9 @@
 // from hidden states) is found during the backend's single pass. Both are INVALID_ARGUMENT naming
 // the field and the first bad row.
 //
-// Zero copy: the MatrixViews of the returned job point into `request`'s bytes, so the request
-// must outlive the job. A reference input that no requested output needs is ignored (allowed,
-// not validated, not attached to the job).
+// Zero copy: the MatrixViews of the returned job point into `request`'s bytes (or into the
+// shared-memory regions its tensors name), so the request must outlive the job. A reference input
+// that no requested output needs is ignored (allowed, not validated, not attached to the job).
 //
 // Thread safety: a pure function of its arguments; call it from any thread.
 #pragma once
@@ -52,9 +52,23 @@ struct ValidatedRequest {
   uint64_t reference_head_version = 0;
 };
 
+// Where the bytes of a tensor with Tensor.shared_memory set are: `ref` resolved to a view of
+// `bytes` bytes (the count its shape and dtype imply, already checked against ref.byte_size)
+// that stays valid until the job is done; or an error whose message starts with `field`.
+using SharedMemoryResolver = absl::FunctionRef<absl::StatusOr<absl::string_view>(
+    absl::string_view field, const v1::SharedMemoryRef& ref, uint64_t bytes)>;
+
+// Tensors naming shared memory are refused (INVALID_ARGUMENT) by this overload.
 absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
                                                       HeadResolver heads,
                                                       const RequestLimits& limits);
+// The job's views of shared-memory tensors point where `shared_memory` said. A tensor's range is
+// resolved only after its dtype and shape passed, so nothing is read before it is known to be
+// inside a region.
+absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& request,
+                                                      HeadResolver heads,
+                                                      const RequestLimits& limits,
+                                                      SharedMemoryResolver shared_memory);
 
 // OK when every hidden state of the job (model and reference, hidden mode only) is finite;
 // otherwise INVALID_ARGUMENT naming the field ("hidden" / "reference_hidden"), the first bad row,

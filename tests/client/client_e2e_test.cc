@@ -432,6 +432,7 @@ TEST_F(ClientSplitTest, ChunkErrorsNameTheRowsOfTheWholeRequest) {
   absl::StatusOr<ScoreOutput> out = client_->Score(req);
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(out.status().message(), HasSubstr("rows [5, 10) of 13"));
+  EXPECT_THAT(out.status().message(), HasSubstr("target_ids: row 7, column 0"));
 }
 
 // --- Retries. ---------------------------------------------------------------------------------

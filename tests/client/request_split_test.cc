@@ -205,5 +205,16 @@ TEST(AppendChunkResponseTest, ConcatenatesInRowOrderAndSumsTimings) {
             absl::StatusCode::kInternal);
 }
 
+TEST(RebaseRowNumbersTest, NamesTheRowsOfTheWholeRequest) {
+  EXPECT_EQ(RebaseRowNumbers("hidden: row 3 contains NaN (column 5)", 60),
+            "hidden: row 63 contains NaN (column 5)");
+  EXPECT_EQ(RebaseRowNumbers("target_ids: row 0, column 1: id 9 is outside; row 12", 7),
+            "target_ids: row 7, column 1: id 9 is outside; row 19");
+  // Not a row number: "rows", "arrow 5", "row x", a trailing "row".
+  EXPECT_EQ(RebaseRowNumbers("hidden: 300 rows exceed, arrow 5, row x, row", 10),
+            "hidden: 300 rows exceed, arrow 5, row x, row");
+  EXPECT_EQ(RebaseRowNumbers("", 4), "");
+}
+
 }  // namespace
 }  // namespace logitserve::client

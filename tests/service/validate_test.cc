@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/heads/head_loader.h"
@@ -590,6 +591,67 @@ TEST_F(ValidateTest, LogitsMayHoldNonFiniteValues) {
   v1::ScoreRequest r = LogitsRequest(2);
   *r.mutable_logits() = FloatTensor(v1::FLOAT32, z, {2, kVocab});
   EXPECT_TRUE(Validate(r).ok());
+}
+
+// Shared-memory tensors: the range is resolved only after dtype and shape passed, with the byte
+// count they imply, and the job's views point where the resolver said.
+TEST_F(ValidateTest, SharedMemoryTensorsResolveAfterTheirChecks) {
+  constexpr int64_t kRows = 3;
+  const v1::ScoreRequest by_bytes = HiddenRequest(kRows);
+  const std::string region = by_bytes.hidden().data() + by_bytes.target_ids().data();
+  v1::ScoreRequest r = by_bytes;
+  for (v1::Tensor* t : {r.mutable_hidden(), r.mutable_target_ids()}) {
+    t->clear_data();
+    t->mutable_shared_memory()->set_region("w");
+  }
+  r.mutable_target_ids()->mutable_shared_memory()->set_offset(by_bytes.hidden().data().size());
+  std::vector<std::string> calls;
+  auto resolve = [&](absl::string_view field, const v1::SharedMemoryRef& ref,
+                     uint64_t bytes) -> absl::StatusOr<absl::string_view> {
+    calls.push_back(absl::StrCat(field, "@", ref.offset(), "+", bytes));
+    return absl::string_view(region).substr(ref.offset(), bytes);
+  };
+  auto validate = [&](const v1::ScoreRequest& req) {
+    return ValidateScoreRequest(
+        req,
+        [this](const std::string& name) -> std::shared_ptr<const PreparedHead> {
+          auto it = heads_.find(name);
+          return it == heads_.end() ? nullptr : it->second;
+        },
+        limits_, resolve);
+  };
+  absl::StatusOr<ValidatedRequest> v = validate(r);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->job.model.hidden.data, region.data());
+  EXPECT_EQ(v->job.target_ids, std::vector<int32_t>({0, 7, 14}));
+  EXPECT_THAT(calls, ::testing::ElementsAre("hidden@0+48", "target_ids@48+12"));
+
+  // Refused before the resolver is asked: a wrong dtype, a byte_size that the shape contradicts,
+  // bytes in data as well.
+  calls.clear();
+  v1::ScoreRequest wrong_dtype = r;
+  wrong_dtype.mutable_hidden()->set_dtype(v1::INT32);
+  EXPECT_STATUS(validate(wrong_dtype), absl::StatusCode::kInvalidArgument,
+                HasSubstr("hidden: dtype"));
+  v1::ScoreRequest wrong_size = r;
+  wrong_size.mutable_hidden()->mutable_shared_memory()->set_byte_size(96);
+  EXPECT_STATUS(validate(wrong_size), absl::StatusCode::kInvalidArgument,
+                HasSubstr("hidden.shared_memory.byte_size: 96 bytes"), HasSubstr("needs 48"));
+  v1::ScoreRequest both = r;
+  both.mutable_hidden()->set_data("x");
+  EXPECT_STATUS(validate(both), absl::StatusCode::kInvalidArgument,
+                HasSubstr("must be empty when shared_memory is set"));
+  EXPECT_TRUE(calls.empty());
+  // The resolver's error is the request's; without a resolver shared memory is refused.
+  auto refuse = [](absl::string_view field, const v1::SharedMemoryRef&,
+                   uint64_t) -> absl::StatusOr<absl::string_view> {
+    return absl::NotFoundError(absl::StrCat(field, ".shared_memory.region: none"));
+  };
+  EXPECT_STATUS(ValidateScoreRequest(
+                    r, [this](const std::string& n) { return heads_[n]; }, limits_, refuse),
+                absl::StatusCode::kNotFound, HasSubstr("hidden.shared_memory.region"));
+  EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument,
+                HasSubstr("hidden.shared_memory: shared-memory inputs are not available"));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@ m = (1-beta) p + beta q (beta = 0 -> forward_kl, beta = 1 -> reverse_kl); p = so
 from ._aio import AsyncClient
 from ._api import HeadInfo, Request, ScoreResult, SequenceStats, ServerHeads
 from ._client import Client, TlsConfig
+from ._shm import SharedMemoryRegion, SharedTensor
 from ._errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                       FailedPrecondition, Internal, InvalidArgument, LogitserveError, NotFound,
                       OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
@@ -22,7 +23,7 @@ from ._tensors import bf16_bits_to_f32, to_bf16_bits
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "AsyncClient", "TlsConfig", "Request", "ScoreResult", "SequenceStats", "HeadInfo",
+    "Client", "AsyncClient", "TlsConfig", "SharedMemoryRegion", "SharedTensor", "Request", "ScoreResult", "SequenceStats", "HeadInfo",
     "ServerHeads", "LogitserveError", "Cancelled", "Unknown", "InvalidArgument",
     "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted",
     "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",

@@ -5,32 +5,55 @@ import asyncio
 import grpc
 import grpc.aio
 
-from . import _api, _pb
+from . import _api, _pb, _wire
 from ._client import _Settings
-from ._errors import LogitserveError, from_rpc_error
+from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
 
 
 class AsyncClient:
     """asyncio logitserve client; arguments as Client. Create it inside a running event loop
     (grpc.aio channels bind to it); `async with AsyncClient(...) as c:` closes the channel.
-    Chunks of a split request after the first run concurrently."""
+    Chunks of a request split by the server's limits run concurrently after the first; large
+    requests are pipelined over ScoreStream as in Client."""
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
-                 max_rows_per_request=None, channel_options=()):
+                 max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
+                 pipeline_depth=4, pipeline_streams=2):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
-                            split_requests, max_rows_per_request, channel_options)
+                            split_requests, max_rows_per_request, channel_options,
+                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams)
         if self._s.tls is not None:
             self._channel = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
                                                     options=self._s.options)
         else:
             self._channel = grpc.aio.insecure_channel(self._s.target, options=self._s.options)
         self._stub = _pb.pb2_grpc().ScorerStub(self._channel)
+        self._score = self._channel.unary_unary(
+            _wire.SCORE_METHOD, request_serializer=_wire.serialize,
+            response_deserializer=_wire.parse_score_response)
+        self._score_stream = self._channel.stream_stream(
+            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+            response_deserializer=_wire.parse_score_response)
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
+        self._pipeline_channels = []
+        for i in range(1, self._s.pipeline_streams):
+            opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
+                                            ("logitserve.pipeline_stream", i)]
+            if self._s.tls is not None:
+                ch = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
+                                             options=opts)
+            else:
+                ch = grpc.aio.insecure_channel(self._s.target, options=opts)
+            self._pipeline_channels.append(ch)
+        self._pipeline_methods = [
+            ch.stream_stream(_wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+                             response_deserializer=_wire.parse_score_response)
+            for ch in self._pipeline_channels]
         self._limits = None
         self._limits_lock = asyncio.Lock()
 
@@ -39,6 +62,8 @@ class AsyncClient:
         return self._s.target
 
     async def close(self):
+        for ch in self._pipeline_channels:
+            await ch.close()
         await self._channel.close()
 
     async def __aenter__(self):
@@ -88,16 +113,19 @@ class AsyncClient:
     async def score(self, head=None, hidden=None, target_ids=None, **kwargs):
         """As Client.score."""
         request, meta = _api.build_request(head=head, hidden=hidden, target_ids=target_ids, **kwargs)
-        chunks = [(0, meta.rows or 0, 0, len(request.sequence_lengths))]
+        chunks = [(0, meta.rows or 0, 0, len(request.message.sequence_lengths))]
         if self._s.split_requests:
             max_rows, max_bytes = await self._server_limits()
+            pipelined = self._s.pipeline_plan(request, meta, max_rows, max_bytes)
+            if pipelined is not None:
+                return await self._score_pipelined(request, meta, pipelined)
             chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
         if len(chunks) == 1:
-            return _api.assemble([await self._call(self._stub.Score, request)], chunks, meta,
+            return _api.assemble([await self._call(self._score, request)], chunks, meta,
                                  request.request_id)
         async def run(chunk):
             try:
-                return await self._call(self._stub.Score, _api.chunk_request(request, chunk))
+                return await self._call(self._score, _api.chunk_request(request, chunk))
             except LogitserveError as e:
                 raise _api.chunk_error(e, chunk, meta.rows, len(chunks)) from None
 
@@ -105,6 +133,82 @@ class AsyncClient:
         _api.pin_versions(request, first, meta)
         rest = await asyncio.gather(*[run(c) for c in chunks[1:]])
         return _api.assemble([first] + list(rest), chunks, meta, request.request_id)
+
+    async def _score_pipelined(self, request, meta, chunks):
+        """As Client._score_pipelined, on the event loop: chunk i on stream i % streams."""
+        streams = min(len(chunks), 1 + len(self._pipeline_methods))
+        responses = [None] * len(chunks)
+        failed = []
+        loop = asyncio.get_running_loop()
+        started = [loop.time()]
+
+        async def attempt(_request, timeout, metadata):
+            started[0] = loop.time()
+            responses[:] = [None] * len(chunks)
+            del failed[:]
+            errors, calls = [], []
+
+            def cancel_all():
+                for c in calls:
+                    c.cancel()
+
+            async def run(s):
+                window = asyncio.Semaphore(self._s.pipeline_depth)
+
+                async def gen():
+                    for i in range(s, len(chunks), streams):
+                        await window.acquire()
+                        if failed or errors:
+                            return
+                        w = _api.chunk_request(request, chunks[i])
+                        w.message.request_id = str(i)
+                        yield w
+
+                method = self._score_stream if s == 0 else self._pipeline_methods[s - 1]
+                call = method(gen(), timeout=timeout, metadata=metadata)
+                calls.append(call)
+                try:
+                    async for resp in call:
+                        i = int(resp.request_id)
+                        if resp.status_code:
+                            failed.append((i, resp))
+                            cancel_all()
+                            return
+                        responses[i] = resp
+                        window.release()
+                except grpc.aio.AioRpcError as e:
+                    errors.append(e)
+                    cancel_all()
+                except asyncio.CancelledError:
+                    if not (failed or errors):  # not cancelled by us: the caller's cancellation
+                        raise
+                finally:
+                    window.release()
+
+            try:
+                await asyncio.gather(*(run(s) for s in range(streams)))
+            except asyncio.CancelledError:
+                cancel_all()
+                raise
+            if failed:
+                return None
+            real = [e for e in errors if e.code() != grpc.StatusCode.CANCELLED]
+            if not real and errors and loop.time() >= started[0] + (timeout or 1e300):
+                raise DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
+                                       % (timeout, len(chunks)))
+            if real or errors:
+                raise (real or errors)[0]
+            return None
+
+        await self._call(attempt, None)
+        if failed:
+            i, resp = min(failed, key=lambda f: f[0])
+            raise _api.chunk_error(error_for(resp.status_code, resp.status_message), chunks[i],
+                                   meta.rows, len(chunks)) from None
+        if any(r is None for r in responses):
+            raise _api.Internal("ScoreStream ended before every chunk was answered")
+        _api.check_same_versions(responses, chunks)
+        return _api.assemble(responses, chunks, meta, request.request_id)
 
     async def score_stream(self, requests, timeout=None, raise_errors=False):
         """As Client.score_stream; `requests` may be a sync or an async iterable. An async
@@ -135,7 +239,7 @@ class AsyncClient:
             metas[proto.request_id] = meta
             return proto
 
-        call = self._stub.ScoreStream(gen(), timeout=timeout, metadata=self._s.metadata())
+        call = self._score_stream(gen(), timeout=timeout, metadata=self._s.metadata())
         try:
             async for resp in call:
                 res = _api.stream_result(resp, metas.pop(resp.request_id))
@@ -150,6 +254,17 @@ class AsyncClient:
             call.cancel()
         if failure:
             raise failure[0]
+
+    async def register_shared_memory(self, name, key, offset, byte_size):
+        """As Client.register_shared_memory."""
+        req = _pb.pb2().RegisterSharedMemoryRequest(name=name, key=key, offset=int(offset),
+                                                    byte_size=int(byte_size))
+        await self._call(self._stub.RegisterSharedMemory, req)
+
+    async def unregister_shared_memory(self, name):
+        """As Client.unregister_shared_memory."""
+        await self._call(self._stub.UnregisterSharedMemory,
+                         _pb.pb2().UnregisterSharedMemoryRequest(name=name))
 
     async def load_head(self, name, weight, version=0, bias=None, dtype=None, logit_scale=0.0,
                         logits_scaling=0.0, final_logit_softcapping=0.0, chunk_bytes=1 << 20,

@@ -3,12 +3,15 @@ target parsing and channel options. No I/O here."""
 
 import ipaddress
 import random
+import re
 
 import numpy as np
 
 from . import _pb
-from ._errors import InvalidArgument, Internal, error_for
-from ._tensors import float_tensor, id_tensor, slice_rows
+from ._errors import FailedPrecondition, InvalidArgument, Internal, error_for
+from ._shm import SharedTensor
+from ._tensors import float_array, float_tensor, id_array, slice_rows
+from ._wire import WireRequest
 
 # Headroom kept below the server's max_receive_message_bytes for non-row fields and framing.
 MESSAGE_HEADROOM_BYTES = 64 * 1024
@@ -169,30 +172,43 @@ def build_request(head=None, hidden=None, target_ids=None, reference_head=None,
                   top_k=0, temperature=None, reference_temperature=None, ignore_index=None,
                   sequence_lengths=None, head_version=None, reference_head_version=None,
                   dtype=None, request_id=None):
-    """(ScoreRequest, _Meta) from Client.score's arguments. Only encodes: the server validates
-    (its INVALID_ARGUMENT messages name the field and row)."""
+    """(WireRequest, _Meta) from Client.score's arguments. Only encodes: the server validates
+    (its INVALID_ARGUMENT messages name the field and row). Row tensors given as arrays stay
+    arrays (copied once, when serialized); a SharedTensor names its shared-memory bytes."""
     pb2 = _pb.pb2()
     r = pb2.ScoreRequest(request_id=request_id or "")
+    arrays = {}
     meta = _Meta()
+
+    def put(field, value, ids=False):
+        t = getattr(r, field)
+        if isinstance(value, SharedTensor):
+            t.CopyFrom(value.tensor_message())
+            return
+        wire, a = id_array(value, field) if ids else float_array(value, dtype, field)
+        t.dtype = getattr(pb2, wire)
+        t.shape.extend(a.shape)
+        arrays[field] = a
+
     rows = None
     if head:
         r.head = head
     if hidden is not None:
-        r.hidden.CopyFrom(float_tensor(hidden, dtype, "hidden"))
+        put("hidden", hidden)
         rows = r.hidden.shape[0] if len(r.hidden.shape) else None
     if logits is not None:
-        r.logits.CopyFrom(float_tensor(logits, dtype, "logits"))
+        put("logits", logits)
         if rows is None and len(r.logits.shape):
             rows = r.logits.shape[0]
     if reference_head:
         r.reference_head = reference_head
     if reference_hidden is not None:
-        r.reference_hidden.CopyFrom(float_tensor(reference_hidden, dtype, "reference_hidden"))
+        put("reference_hidden", reference_hidden)
     if reference_logits is not None:
-        r.reference_logits.CopyFrom(float_tensor(reference_logits, dtype, "reference_logits"))
+        put("reference_logits", reference_logits)
     meta.ids_shape = None
     if target_ids is not None:
-        r.target_ids.CopyFrom(id_tensor(target_ids, "target_ids"))
+        put("target_ids", target_ids, ids=True)
         meta.ids_shape = tuple(r.target_ids.shape)
     if head_version is not None:
         r.head_version = int(head_version)
@@ -223,7 +239,7 @@ def build_request(head=None, hidden=None, target_ids=None, reference_head=None,
                     "jsd": jsd_beta is not None}
     meta.head = bool(head)
     meta.reference_head = bool(reference_head)
-    return r, meta
+    return WireRequest(r, arrays), meta
 
 
 def request_from(item, index):
@@ -246,40 +262,54 @@ def _present(r, field):
     return r.HasField(field)
 
 
-def plan_chunks(request, meta, max_rows, max_bytes):
-    """Chunks (row_begin, row_end, seq_begin, seq_end) of `request`: one chunk when it has at most
-    `max_rows` rows (0 = no limit) and fits in `max_bytes` (0 = no limit); else consecutive chunks
-    cut at row boundaries, or only at sequence boundaries when sequence_lengths is set (a single
-    sequence over the limit is INVALID_ARGUMENT, as in the C++ client)."""
+def row_bytes(request, meta):
+    """Bytes per row of the row tensors the request carries (arrays or data; shared-memory tensors
+    count 0); 0 when N is unknown or 0."""
     n = meta.rows
-    nseq = len(request.sequence_lengths)
+    if not n:
+        return 0
+    total = 0
+    for field in _ROW_TENSORS:
+        if field in request.arrays:
+            total += request.arrays[field].nbytes // n
+        elif _present(request.message, field):
+            total += len(getattr(request.message, field).data) // n
+    return total
+
+
+def plan_chunks(request, meta, max_rows, max_bytes):
+    """Chunks (row_begin, row_end, seq_begin, seq_end) of `request` (a WireRequest): one chunk
+    when it has at most `max_rows` rows (0 = no limit) and fits in `max_bytes` (0 = no limit); else
+    consecutive chunks cut at row boundaries, or only at sequence boundaries when sequence_lengths
+    is set (a single sequence over the limit is INVALID_ARGUMENT, as in the C++ client)."""
+    msg = request.message
+    n = meta.rows
+    nseq = len(msg.sequence_lengths)
     too_many_rows = bool(max_rows) and n is not None and (n > max_rows or nseq > max_rows)
-    too_big = bool(max_bytes) and request.ByteSize() > max_bytes
+    too_big = bool(max_bytes) and msg.ByteSize() + request.array_bytes() > max_bytes
     if n is None or not (too_many_rows or too_big):
         return [(0, n or 0, 0, nseq)]
-    row_bytes = 0
     for field in _ROW_TENSORS:
-        if not _present(request, field):
+        if not _present(msg, field):
             continue
-        t = getattr(request, field)
+        t = getattr(msg, field)
         if len(t.shape) < 1 or t.shape[0] != n:
             raise InvalidArgument("%s: first dimension %s differs from the request's %d rows; cannot "
                                   "split the request" % (field, list(t.shape)[:1] or "(none)", n))
-        if n:
-            row_bytes += len(t.data) // n
+    per_row = row_bytes(request, meta)
     limit = max_rows if max_rows else n
-    if max_bytes and row_bytes:
-        by_bytes = (max_bytes - MESSAGE_HEADROOM_BYTES) // row_bytes
+    if max_bytes and per_row:
+        by_bytes = (max_bytes - MESSAGE_HEADROOM_BYTES) // per_row
         if by_bytes < 1:
             raise InvalidArgument("one row needs %d bytes, over the server's message limit of %d "
-                                  "bytes" % (row_bytes, max_bytes))
+                                  "bytes" % (per_row, max_bytes))
         limit = min(limit, by_bytes)
     chunks = []
     if not nseq:
         for b in range(0, n, limit):
             chunks.append((b, min(n, b + limit), 0, 0))
         return chunks
-    lengths = list(request.sequence_lengths)
+    lengths = list(msg.sequence_lengths)
     if any(x < 0 for x in lengths) or sum(lengths) != n:
         raise InvalidArgument("sequence_lengths: must be >= 0 and sum to the %d rows; cannot split "
                               "the request" % n)
@@ -298,35 +328,61 @@ def plan_chunks(request, meta, max_rows, max_bytes):
 
 
 def chunk_request(request, chunk):
-    """The request restricted to one chunk's rows and sequences."""
+    """The WireRequest restricted to one chunk's rows and sequences (the arrays are shared)."""
     pb2 = _pb.pb2()
     r0, r1, s0, s1 = chunk
+    msg = request.message
     out = pb2.ScoreRequest()
-    out.CopyFrom(request)
+    out.CopyFrom(msg)
     for field in _ROW_TENSORS:
-        if _present(request, field):
-            getattr(out, field).CopyFrom(slice_rows(getattr(request, field), r0, r1))
+        if field in request.arrays:
+            getattr(out, field).shape[0] = r1 - r0
+        elif _present(msg, field):
+            getattr(out, field).CopyFrom(slice_rows(getattr(msg, field), r0, r1))
     del out.sequence_lengths[:]
-    out.sequence_lengths.extend(request.sequence_lengths[s0:s1])
-    return out
+    out.sequence_lengths.extend(msg.sequence_lengths[s0:s1])
+    return WireRequest(out, request.arrays, r0, r1)
+
+
+_ROW_NUMBER = re.compile(r"\brow (\d+)")
+
+
+def rebase_rows(message, first_row):
+    """`message` about a chunk starting at `first_row` with every "row R" made "row R + first_row"
+    (the row of the whole request)."""
+    return _ROW_NUMBER.sub(lambda m: "row %d" % (int(m.group(1)) + first_row), message)
 
 
 def chunk_error(e, chunk, total_rows, chunks):
-    """The chunk's error, same type, its message saying which rows it concerns (the server's row
-    numbers count from the chunk's first row)."""
-    details = ("rows [%d, %d) of %d (request split into %d chunks by the server's limits; row "
-               "numbers in the message below count from %d): %s" % (
-                   chunk[0], chunk[1], total_rows, chunks, chunk[0], e.details))
+    """The chunk's error, same type, its message naming the chunk's rows and, inside the server's
+    message, the rows of the whole request."""
+    details = "rows [%d, %d) of %d (request split into %d chunks): %s" % (
+        chunk[0], chunk[1], total_rows, chunks, rebase_rows(e.details or "", chunk[0]))
     return type(e)(details, code=e.code)
 
 
 def pin_versions(request, first_response, meta):
     """Later chunks of a split request run on the versions the first chunk used, so one result
     never mixes head versions (a swap in between gives FAILED_PRECONDITION)."""
-    if meta.head and not request.HasField("head_version"):
-        request.head_version = first_response.head_version
-    if meta.reference_head and not request.HasField("reference_head_version"):
-        request.reference_head_version = first_response.reference_head_version
+    msg = request.message
+    if meta.head and not msg.HasField("head_version"):
+        msg.head_version = first_response.head_version
+    if meta.reference_head and not msg.HasField("reference_head_version"):
+        msg.reference_head_version = first_response.reference_head_version
+
+
+def check_same_versions(responses, chunks):
+    """FAILED_PRECONDITION when the chunks of one request ran on different head versions (a head
+    replaced while a pipelined request was in flight): such a result is never returned."""
+    first = responses[0]
+    for resp, chunk in zip(responses[1:], chunks[1:]):
+        if (resp.head_version, resp.reference_head_version) != (first.head_version,
+                                                                 first.reference_head_version):
+            raise FailedPrecondition(
+                "head_version: a head was replaced while the request was in flight (rows [%d, %d) "
+                "ran on version %d/%d, earlier rows on %d/%d); pin head_version or retry" % (
+                    chunk[0], chunk[1], resp.head_version, resp.reference_head_version,
+                    first.head_version, first.reference_head_version))
 
 
 def _floats(values):

@@ -5,8 +5,8 @@ import time
 
 import grpc
 
-from . import _api, _pb
-from ._errors import LogitserveError, from_rpc_error
+from . import _api, _pb, _wire
+from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
 
 
 class TlsConfig:
@@ -43,7 +43,8 @@ class _Settings:
 
     def __init__(self, target, token, admin_token, tls, timeout, max_retries, initial_backoff,
                  max_backoff, backoff_multiplier, load_balancing, split_requests,
-                 max_rows_per_request, channel_options):
+                 max_rows_per_request, channel_options, pipeline_chunk_bytes=4 << 20,
+                 pipeline_depth=4, pipeline_streams=2):
         if max_retries < 0 or initial_backoff < 0 or max_backoff < initial_backoff or \
                 backoff_multiplier < 1:
             raise ValueError("need max_retries >= 0, 0 <= initial_backoff <= max_backoff and "
@@ -59,6 +60,9 @@ class _Settings:
         self.backoff_multiplier = backoff_multiplier
         self.split_requests = split_requests
         self.max_rows_per_request = max_rows_per_request
+        self.pipeline_chunk_bytes = int(pipeline_chunk_bytes or 0)
+        self.pipeline_depth = max(1, int(pipeline_depth))
+        self.pipeline_streams = max(1, int(pipeline_streams))
         self.options = _api.channel_options(self.lb_policy, initial_backoff, max_backoff,
                                             channel_options)
 
@@ -68,6 +72,22 @@ class _Settings:
 
     def backoff(self):
         return _api.Backoff(self.initial_backoff, self.max_backoff, self.backoff_multiplier)
+
+    def pipeline_plan(self, request, meta, max_rows, max_bytes):
+        """The chunks of a pipelined request, or None when it is not pipelined (small, no array
+        bytes, or a sequence longer than a pipeline chunk)."""
+        per_row = _api.row_bytes(request, meta)
+        if not (self.split_requests and self.pipeline_chunk_bytes and per_row):
+            return None
+        chunk_rows = max(1, self.pipeline_chunk_bytes // per_row)
+        if meta.rows <= chunk_rows:
+            return None
+        try:
+            chunks = _api.plan_chunks(request, meta, min(max_rows or chunk_rows, chunk_rows),
+                                      max_bytes)
+        except LogitserveError:
+            return None
+        return chunks if len(chunks) > 1 else None
 
     def limits(self, heads):
         max_rows = heads.max_tokens_per_request or 0
@@ -90,24 +110,53 @@ class Client:
       load_balancing gRPC lb policy name; default round_robin for several addresses, else pick_first
       split_requests split Score requests over the server's max_tokens_per_request /
                      max_receive_message_bytes (from ListHeads, fetched once)
+      pipeline_chunk_bytes, pipeline_depth, pipeline_streams
+                     a request whose row arrays exceed pipeline_chunk_bytes (4 MiB) is sent as
+                     chunks of about that size over pipeline_streams (2) ScoreStream calls on
+                     connections of their own, pipeline_depth (4) unanswered per stream, so
+                     transfer and compute overlap; results are bitwise those of one request.
+                     0 = off.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
-                 max_rows_per_request=None, channel_options=()):
+                 max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
+                 pipeline_depth=4, pipeline_streams=2):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
-                            split_requests, max_rows_per_request, channel_options)
+                            split_requests, max_rows_per_request, channel_options,
+                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams)
         if self._s.tls is not None:
             self._channel = grpc.secure_channel(self._s.target, self._s.tls.credentials(),
                                                 options=self._s.options)
         else:
             self._channel = grpc.insecure_channel(self._s.target, options=self._s.options)
         self._stub = _pb.pb2_grpc().ScorerStub(self._channel)
+        # Score and ScoreStream with the copy-saving request encoding and array decoding.
+        self._score = self._channel.unary_unary(
+            _wire.SCORE_METHOD, request_serializer=_wire.serialize,
+            response_deserializer=_wire.parse_score_response)
+        self._score_stream = self._channel.stream_stream(
+            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+            response_deserializer=_wire.parse_score_response)
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
+        # Pipeline streams 1.. on connections of their own (see _score_pipelined).
+        self._pipeline_channels = []
+        for i in range(1, self._s.pipeline_streams):
+            opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
+                                            ("logitserve.pipeline_stream", i)]
+            if self._s.tls is not None:
+                ch = grpc.secure_channel(self._s.target, self._s.tls.credentials(), options=opts)
+            else:
+                ch = grpc.insecure_channel(self._s.target, options=opts)
+            self._pipeline_channels.append(ch)
+        self._pipeline_methods = [
+            ch.stream_stream(_wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
+                             response_deserializer=_wire.parse_score_response)
+            for ch in self._pipeline_channels]
         self._limits = None
         self._lock = threading.Lock()
 
@@ -116,6 +165,8 @@ class Client:
         return self._s.target
 
     def close(self):
+        for ch in self._pipeline_channels:
+            ch.close()
         self._channel.close()
 
     def __enter__(self):
@@ -178,22 +229,122 @@ class Client:
         -100); sequence_lengths; head_version / reference_head_version pins.
         """
         request, meta = _api.build_request(head=head, hidden=hidden, target_ids=target_ids, **kwargs)
-        chunks = [(0, meta.rows or 0, 0, len(request.sequence_lengths))]
+        chunks = [(0, meta.rows or 0, 0, len(request.message.sequence_lengths))]
         if self._s.split_requests:
             max_rows, max_bytes = self._server_limits()
+            pipelined = self._s.pipeline_plan(request, meta, max_rows, max_bytes)
+            if pipelined is not None:
+                return self._score_pipelined(request, meta, pipelined)
             chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
         if len(chunks) == 1:
-            return _api.assemble([self._call(self._stub.Score, request)], chunks, meta,
+            return _api.assemble([self._call(self._score, request)], chunks, meta,
                                  request.request_id)
         responses = []
         for i, chunk in enumerate(chunks):
             try:
-                responses.append(self._call(self._stub.Score, _api.chunk_request(request, chunk)))
+                responses.append(self._call(self._score, _api.chunk_request(request, chunk)))
             except LogitserveError as e:
                 raise _api.chunk_error(e, chunk, meta.rows, len(chunks)) from None
             if i == 0:
                 _api.pin_versions(request, responses[0], meta)
         return _api.assemble(responses, chunks, meta, request.request_id)
+
+    def _score_pipelined(self, request, meta, chunks):
+        """The chunks over pipeline_streams ScoreStream calls (chunk i on stream i % streams,
+        each on its own connection and thread), at most pipeline_depth unanswered per stream; the
+        deadline (timeout) covers them all. A failed chunk cancels every stream (the server drops
+        the chunks queued behind it) and raises its error naming the rows of the whole request."""
+        streams = min(len(chunks), 1 + len(self._pipeline_methods))
+        responses = [None] * len(chunks)
+        failed = []
+
+        def attempt(_request, timeout, metadata):
+            started[0] = time.monotonic()
+            responses[:] = [None] * len(chunks)  # a retried attempt starts over
+            del failed[:]
+            errors, calls = [], []
+            abort = threading.Event()
+            lock = threading.Lock()
+
+            def cancel_all():
+                abort.set()
+                with lock:
+                    for c in calls:
+                        c.cancel()
+
+            def run(s):
+                window = threading.Semaphore(self._s.pipeline_depth)
+
+                def gen():
+                    for i in range(s, len(chunks), streams):
+                        window.acquire()
+                        if abort.is_set():
+                            return
+                        w = _api.chunk_request(request, chunks[i])
+                        w.message.request_id = str(i)
+                        yield w
+
+                method = self._score_stream if s == 0 else self._pipeline_methods[s - 1]
+                call = method(gen(), timeout=timeout, metadata=metadata)
+                with lock:
+                    calls.append(call)
+                try:
+                    for resp in call:
+                        i = int(resp.request_id)
+                        if resp.status_code:
+                            failed.append((i, resp))
+                            cancel_all()
+                            return
+                        responses[i] = resp
+                        window.release()
+                except grpc.RpcError as e:
+                    errors.append(e)
+                    cancel_all()
+                finally:
+                    window.release()  # a writer waiting for room sees `abort`
+                    call.cancel()     # no-op once finished
+
+            threads = [threading.Thread(target=run, args=(s,), daemon=True)
+                       for s in range(1, streams)]
+            for t in threads:
+                t.start()
+            run(0)
+            for t in threads:
+                t.join()
+            if failed:
+                return None
+            real = [e for e in errors if e.code() != grpc.StatusCode.CANCELLED]
+            if not real and errors and time.monotonic() >= started[0] + (timeout or 1e300):
+                # The server ends a stream past its deadline as CANCELLED, possibly before the
+                # client's own timer fires; this client cancels only after a failed chunk.
+                raise DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
+                                       % (timeout, len(chunks)))
+            if real or errors:
+                raise (real or errors)[0]
+            return None
+
+        started = [time.monotonic()]
+        self._call(attempt, None)
+        if failed:
+            i, resp = min(failed, key=lambda f: f[0])
+            raise _api.chunk_error(error_for(resp.status_code, resp.status_message), chunks[i],
+                                   meta.rows, len(chunks)) from None
+        if any(r is None for r in responses):
+            raise _api.Internal("ScoreStream ended before every chunk was answered")
+        _api.check_same_versions(responses, chunks)
+        return _api.assemble(responses, chunks, meta, request.request_id)
+
+    def register_shared_memory(self, name, key, offset, byte_size):
+        """Registers bytes [offset, offset + byte_size) of the POSIX shared-memory object `key`
+        ("/name") on the server as region `name` (see SharedMemoryRegion, which does this)."""
+        req = _pb.pb2().RegisterSharedMemoryRequest(name=name, key=key, offset=int(offset),
+                                                    byte_size=int(byte_size))
+        self._call(self._stub.RegisterSharedMemory, req)
+
+    def unregister_shared_memory(self, name):
+        """Drops region `name`; returns once no request reads it any more."""
+        self._call(self._stub.UnregisterSharedMemory,
+                   _pb.pb2().UnregisterSharedMemoryRequest(name=name))
 
     def score_stream(self, requests, timeout=None, raise_errors=False):
         """Sends many requests on one ScoreStream RPC; yields ScoreResults in completion order,
@@ -220,7 +371,7 @@ class Client:
                 failure.append(e)
                 raise
 
-        call = self._stub.ScoreStream(gen(), timeout=timeout, metadata=self._s.metadata())
+        call = self._score_stream(gen(), timeout=timeout, metadata=self._s.metadata())
         try:
             for resp in call:
                 res = _api.stream_result(resp, metas.pop(resp.request_id))

@@ -33,12 +33,17 @@ def f32_to_bf16_bits(x):
     NaN stays NaN (quiet, sign kept); overflow rounds to +-inf as IEEE rounding does.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x.view(np.uint32).astype(np.uint64)
-    lsb = (bits >> np.uint64(16)) & np.uint64(1)
-    rounded = (bits + np.uint64(0x7FFF) + lsb) >> np.uint64(16)
+    bits = x.view(np.uint32)
+    # In uint32, in place (the hot path of fp32 hidden states sent as bf16): bits + 0x7FFF + lsb
+    # wraps only for bit patterns >= 0xFFFF8000, which are all NaN and replaced below.
+    rounded = bits >> np.uint32(16)
+    rounded &= np.uint32(1)
+    rounded += bits
+    rounded += np.uint32(0x7FFF)
+    rounded >>= np.uint32(16)
     nan = np.isnan(x)
     if nan.any():
-        rounded = np.where(nan, (bits >> np.uint64(16)) | np.uint64(0x0040), rounded)
+        rounded = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x0040), rounded)
     return rounded.astype(np.uint16)
 
 
@@ -81,44 +86,55 @@ def _wire_dtype(name, field):
     return _FLOAT_DTYPES[key]
 
 
-def float_tensor(array, dtype, field):
-    """A float Tensor from a numpy array (see the module comment for the dtype rules)."""
-    pb2 = _pb2()
+def float_array(array, dtype, field):
+    """(wire dtype name, C-contiguous little-endian array of that dtype) for a float input (see
+    the module comment for the dtype rules). No copy when the array already is in wire form."""
     a = np.asarray(array)
     if a.dtype == np.uint16:
         if dtype is not None and _wire_dtype(dtype, field) != "BFLOAT16":
             raise ValueError("%s: uint16 arrays are bfloat16 bit patterns; dtype must be bf16" % field)
-        wire, data = "BFLOAT16", np.ascontiguousarray(a, dtype="<u2")
-    elif a.dtype.kind == "f":
-        if dtype is None:
-            wire = "FLOAT16" if a.dtype == np.float16 else "FLOAT32"
-        else:
-            wire = _wire_dtype(dtype, field)
-        if wire == "BFLOAT16":
-            data = to_bf16_bits(a).astype("<u2")
-        elif wire == "FLOAT16":
-            data = np.ascontiguousarray(a, dtype="<f2")
-        else:
-            data = np.ascontiguousarray(a, dtype="<f4")
-    else:
+        return "BFLOAT16", np.ascontiguousarray(a, dtype="<u2")
+    if a.dtype.kind != "f":
         raise TypeError("%s: expected a float16/float32/float64 array or uint16 bfloat16 bit patterns, "
                         "got dtype %s" % (field, a.dtype))
-    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(a.shape), data=data.tobytes())
+    if dtype is None:
+        wire = "FLOAT16" if a.dtype == np.float16 else "FLOAT32"
+    else:
+        wire = _wire_dtype(dtype, field)
+    if wire == "BFLOAT16":
+        return wire, to_bf16_bits(a).astype("<u2", copy=False)
+    if wire == "FLOAT16":
+        return wire, np.ascontiguousarray(a, dtype="<f2")
+    return wire, np.ascontiguousarray(a, dtype="<f4")
 
 
-def id_tensor(array, field):
-    """An INT32/INT64 Tensor of token ids (Python ints or any integer numpy dtype)."""
-    pb2 = _pb2()
+def id_array(array, field):
+    """(INT32 or INT64, C-contiguous little-endian array) of token ids (Python ints or any integer
+    numpy dtype); int32 arrays travel as INT32, everything else as INT64."""
     a = np.asarray(array)
     if a.size == 0 and a.dtype.kind not in "iu":
         a = a.astype(np.int64)
     if a.dtype.kind not in "iu":
         raise TypeError("%s: expected integer token ids, got dtype %s" % (field, a.dtype))
     if a.dtype == np.int32:
-        return pb2.Tensor(dtype=pb2.INT32, shape=list(a.shape), data=np.ascontiguousarray(a, "<i4").tobytes())
+        return "INT32", np.ascontiguousarray(a, "<i4")
     if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
         raise ValueError("%s: id out of the int64 range" % field)
-    return pb2.Tensor(dtype=pb2.INT64, shape=list(a.shape), data=np.ascontiguousarray(a, "<i8").tobytes())
+    return "INT64", np.ascontiguousarray(a, "<i8")
+
+
+def float_tensor(array, dtype, field):
+    """A float Tensor from a numpy array (see the module comment for the dtype rules)."""
+    pb2 = _pb2()
+    wire, data = float_array(array, dtype, field)
+    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(data.shape), data=data.tobytes())
+
+
+def id_tensor(array, field):
+    """An INT32/INT64 Tensor of token ids (Python ints or any integer numpy dtype)."""
+    pb2 = _pb2()
+    wire, data = id_array(array, field)
+    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(data.shape), data=data.tobytes())
 
 
 _NUMPY_OF = {"FLOAT32": "<f4", "BFLOAT16": "<u2", "FLOAT16": "<f2", "INT32": "<i4", "INT64": "<i8"}
@@ -132,10 +148,20 @@ def tensor_to_numpy(t):
     return bf16_bits_to_f32(a) if name == "BFLOAT16" else a.astype(a.dtype.newbyteorder("="))
 
 
+_SIZE_OF = {"FLOAT32": 4, "BFLOAT16": 2, "FLOAT16": 2, "INT32": 4, "INT64": 8}
+
+
 def slice_rows(t, begin, end):
-    """Rows [begin, end) of a row-major Tensor whose first dimension is the row count."""
+    """Rows [begin, end) of a row-major Tensor whose first dimension is the row count (for a
+    shared-memory tensor: the same region, at those rows' offset)."""
     pb2 = _pb2()
+    shape = [end - begin] + list(t.shape[1:])
+    if t.HasField("shared_memory"):
+        row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * _SIZE_OF[pb2.DType.Name(t.dtype)]
+        ref = pb2.SharedMemoryRef(region=t.shared_memory.region,
+                                  offset=t.shared_memory.offset + begin * row_bytes,
+                                  byte_size=(end - begin) * row_bytes)
+        return pb2.Tensor(dtype=t.dtype, shape=shape, shared_memory=ref)
     rows = t.shape[0]
     row_bytes = len(t.data) // rows if rows else 0
-    return pb2.Tensor(dtype=t.dtype, shape=[end - begin] + list(t.shape[1:]),
-                      data=t.data[begin * row_bytes:end * row_bytes])
+    return pb2.Tensor(dtype=t.dtype, shape=shape, data=t.data[begin * row_bytes:end * row_bytes])

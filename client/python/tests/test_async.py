@@ -63,3 +63,45 @@ def test_async_unavailable_after_retries():
 
     with pytest.raises(logitserve.Unavailable):
         asyncio.run(main())
+
+
+def test_async_pipelined_equals_sync_and_names_rows(server, client):
+    rng = np.random.default_rng(9)
+    req = dict(head="policy", hidden=rng.normal(0, 1, (90, H)).astype(np.float32),
+               target_ids=rng.integers(0, V, 90), entropy=True, top_k=3)
+    want = client.score(**req)
+    bad = dict(req, hidden=req["hidden"].copy())
+    bad["hidden"][71, 1] = np.nan
+    row_bytes = H * 4 + 8
+
+    async def main():
+        async with logitserve.AsyncClient(server.address, pipeline_chunk_bytes=8 * row_bytes,
+                                          pipeline_depth=2, pipeline_streams=3) as a:
+            got = await a.score(**req)
+            with pytest.raises(logitserve.InvalidArgument) as e:
+                await a.score(**bad)
+            return got, e.value.details
+
+    got, details = asyncio.run(main())
+    assert got.chunks == 12
+    for name in ("target_logprobs", "entropy", "top_k_ids", "top_k_logprobs"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert "rows [64, 72) of 90" in details and "row 71 contains NaN" in details
+
+
+def test_async_pipelined_deadline(heads):
+    rng = np.random.default_rng(10)
+    req = dict(head="policy", hidden=rng.normal(0, 1, (200, H)).astype(np.float32),
+               target_ids=rng.integers(0, V, 200))
+
+    async def main():
+        async with logitserve.AsyncClient(s.address, timeout=0.5, max_retries=0,
+                                          pipeline_chunk_bytes=10 * (H * 4 + 8)) as a:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(logitserve.DeadlineExceeded):
+                await a.score(**req)
+            return asyncio.get_running_loop().time() - t0
+
+    # 1 s per 64 rows: 20 chunks of 10 rows need >= 3 s; the timeout is 0.5 s.
+    with Server(heads.flags() + ["--test-fault", "slow-tile:1000"]) as s:
+        assert asyncio.run(main()) < 1.5

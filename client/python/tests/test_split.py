@@ -117,5 +117,5 @@ def test_error_in_a_chunk_names_its_rows(small_server):
     with logitserve.Client(small_server.address) as c:
         with pytest.raises(logitserve.InvalidArgument) as e:
             c.score(**req)
-    assert "rows [14, 20) of 20" in e.value.details and "row 2" in e.value.details
+    assert "rows [14, 20) of 20" in e.value.details and "row 16" in e.value.details
     assert "hidden" in e.value.details

@@ -1,0 +1,353 @@
+// logitserve-wire-bench: the user's view of the service (issue 12, SPEC §9 "Service"), through
+// the project's own C++ client (client/client.h), against a running server.
+//
+// For each --rows N it builds one hidden-mode request (bf16 [N, H] hidden states of --head,
+// int32 target ids [N], entropy: the shape of the issue) and measures:
+//   compute     the server's compute_us of the request sent alone and unsplit (median): the
+//               compute-only rate is N / compute;
+//   e2e         closed-loop tokens/s with C client threads (--concurrency, default by size),
+//               pipelining on (the client's defaults): the end-to-end rate; ratio e2e / compute
+//               (>= 0.90 meets target 1);
+//   single      wall time of one pipelined Score of the N rows, against max(compute, transfer),
+//               where transfer is the same request's serialized bytes as one raw gRPC call to an
+//               in-process echo peer (bench/rpc/echo_service.h); ratio <= 1.15 meets target 2;
+//   unpiped     wall time of one unsplit Score (pipelining off), for comparison;
+//   shm         wall time of one Score reading the same bytes from POSIX shared memory (the
+//               server must run on this host; --no-shm skips it); shm / compute <= 1.1 meets
+//               target 3.
+// Correctness: every response must hold N log-probs and N entropies, and the pipelined and
+// shared-memory results must equal the unsplit one bit for bit; mismatches count as `wrong`
+// (exit 1 when any).
+//
+//   logitserve-wire-bench --target 127.0.0.1:50051 --head policy --rows 64,1024,8192 [--json F]
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "bench/rpc/echo_service.h"
+#include "client/client.h"
+#include "client/shm.h"
+#include "client/tensor.h"
+#include "logitserve/kernels/dtype.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+namespace v1 = logitserve::v1;
+namespace lc = logitserve::client;
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return 0;
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The request's per-row bytes, as the client would send them.
+struct Inputs {
+  std::vector<uint16_t> hidden;  // bf16 bits [N, H]
+  std::vector<int32_t> ids;      // [N]
+};
+
+Inputs MakeInputs(int64_t rows, int64_t hidden, int64_t vocab) {
+  Inputs in;
+  in.hidden.resize(static_cast<size_t>(rows * hidden));
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint16_t& b : in.hidden) b = logitserve::kernels::FloatToBFloat16(normal(rng));
+  in.ids.resize(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) in.ids[i] = static_cast<int32_t>((i * 7919) % vocab);
+  return in;
+}
+
+v1::ScoreRequest BaseRequest(const std::string& head) {
+  v1::ScoreRequest req;
+  req.set_head(head);
+  req.set_entropy(true);
+  return req;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"logitserve end to end: compute-only vs client rates, pipelining, shared memory"};
+  std::string target = "127.0.0.1:50051", head = "policy", json_path, token;
+  std::vector<int64_t> rows_list = {64, 256, 1024, 4096, 8192};
+  int iters = 5, concurrency = 0;
+  double rate_seconds = 2.0;
+  bool no_shm = false;
+  app.add_option("--target", target, "logitserve server HOST:PORT")->capture_default_str();
+  app.add_option("--head", head, "Head to score with")->capture_default_str();
+  app.add_option("--rows", rows_list, "Token rows N per request (comma-separated list)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--iters", iters, "Timed repetitions of each single-request measurement")
+      ->check(CLI::Range(1, 10000))
+      ->capture_default_str();
+  app.add_option("--concurrency", concurrency,
+                 "Client threads of the end-to-end rate (0 = by size: clamp(4096 / N, 2, 32))")
+      ->capture_default_str();
+  app.add_option("--rate-seconds", rate_seconds, "Minimum duration of each end-to-end rate run")
+      ->capture_default_str();
+  lc::ClientOptions piped_options;
+  app.add_option("--pipeline-chunk-bytes", piped_options.pipeline_chunk_bytes,
+                 "Client pipelining: bytes per chunk (0 = off)")
+      ->capture_default_str();
+  app.add_option("--pipeline-depth", piped_options.pipeline_depth,
+                 "Client pipelining: chunks unanswered per stream")
+      ->capture_default_str();
+  app.add_option("--pipeline-streams", piped_options.pipeline_streams,
+                 "Client pipelining: streams (connections)")
+      ->capture_default_str();
+  app.add_option("--token", token, "Bearer token");
+  app.add_flag("--no-shm", no_shm, "Skip the shared-memory measurement (server on another host)");
+  app.add_option("--json", json_path, "Also write the results as JSON");
+  CLI11_PARSE(app, argc, argv);
+
+  piped_options.bearer_token = token;
+  piped_options.rpc_timeout = absl::Seconds(600);
+  lc::ClientOptions unpiped_options = piped_options;
+  unpiped_options.pipeline_chunk_bytes = 0;
+  auto piped = lc::Client::Create(target, piped_options);
+  auto unpiped = lc::Client::Create(target, unpiped_options);
+  if (!piped.ok() || !unpiped.ok()) {
+    std::fprintf(stderr, "cannot create clients for %s\n", target.c_str());
+    return 1;
+  }
+  absl::StatusOr<lc::ListHeadsOutput> heads = (*unpiped)->ListHeads();
+  if (!heads.ok()) {
+    std::fprintf(stderr, "ListHeads on %s: %s\n", target.c_str(),
+                 heads.status().ToString().c_str());
+    return 1;
+  }
+  int64_t vocab = 0, hidden = 0;
+  for (const lc::HeadInfo& h : heads->heads) {
+    if (h.name == head) {
+      vocab = h.vocab_size;
+      hidden = h.hidden_size;
+    }
+  }
+  if (vocab == 0) {
+    std::fprintf(stderr, "head '%s' is not served by %s\n", head.c_str(), target.c_str());
+    return 1;
+  }
+
+  // The in-process raw-transfer peer.
+  logitserve::bench::EchoService echo;
+  grpc::ServerBuilder builder;
+  int echo_port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterCallbackGenericService(&echo);
+  std::unique_ptr<grpc::Server> echo_server = builder.BuildAndStart();
+  if (echo_server == nullptr || echo_port == 0) {
+    std::fprintf(stderr, "cannot start the echo server\n");
+    return 1;
+  }
+  grpc::ChannelArguments unlimited;
+  unlimited.SetMaxReceiveMessageSize(-1);
+  unlimited.SetMaxSendMessageSize(-1);
+  grpc::GenericStub raw(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(echo_port),
+                                                  grpc::InsecureChannelCredentials(), unlimited));
+
+  std::printf(
+      "backend %s, head %s (V = %lld, H = %lld), C++ client, pipelining %lld-byte chunks "
+      "x %d in flight x %d streams; %d iterations (medians), rates over >= %.1f s\n",
+      heads->backend.c_str(), head.c_str(), static_cast<long long>(vocab),
+      static_cast<long long>(hidden), static_cast<long long>(piped_options.pipeline_chunk_bytes),
+      piped_options.pipeline_depth, piped_options.pipeline_streams, iters, rate_seconds);
+  std::printf("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s\n", "rows", "MiB",
+              "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms", "unpiped_ms",
+              "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong");
+  nlohmann::json results = nlohmann::json::array();
+  int64_t total_wrong = 0;
+  for (int64_t rows : rows_list) {
+    const Inputs in = MakeInputs(rows, hidden, vocab);
+    v1::ScoreRequest req = BaseRequest(head);
+    *req.mutable_hidden() = lc::BFloat16TensorFromBits(in.hidden, {rows, hidden});
+    *req.mutable_target_ids() = lc::TensorOf(in.ids, {rows});
+    const std::string request_bytes = req.SerializeAsString();
+    std::atomic<int64_t> wrong{0};
+    auto check = [&](const absl::StatusOr<lc::ScoreOutput>& out) {
+      if (!out.ok()) {
+        std::fprintf(stderr, "Score (%lld rows): %s\n", static_cast<long long>(rows),
+                     out.status().ToString().c_str());
+        ++wrong;
+        return false;
+      }
+      if (out->rows != rows || static_cast<int64_t>(out->target_logprobs.size()) != rows ||
+          static_cast<int64_t>(out->entropy.size()) != rows) {
+        ++wrong;
+        return false;
+      }
+      return true;
+    };
+
+    // Compute-only and the unsplit wall time; the unsplit result is the reference bits.
+    absl::StatusOr<lc::ScoreOutput> reference = (*unpiped)->Score(req);  // also warms up
+    check(reference);
+    std::vector<double> compute_ms, unpiped_ms, single_ms, transfer_ms, shm_ms;
+    for (int i = 0; i < iters; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      absl::StatusOr<lc::ScoreOutput> out = (*unpiped)->Score(req);
+      unpiped_ms.push_back(MsSince(t0));
+      if (check(out)) compute_ms.push_back(out->compute_us / 1e3);
+    }
+    // One pipelined request.
+    (void)(*piped)->Score(req);
+    for (int i = 0; i < iters; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      absl::StatusOr<lc::ScoreOutput> out = (*piped)->Score(req);
+      single_ms.push_back(MsSince(t0));
+      if (check(out) && reference.ok() &&
+          (!SameBits(out->entropy, reference->entropy) ||
+           !SameBits(out->target_logprobs, reference->target_logprobs))) {
+        ++wrong;
+      }
+    }
+    // The raw transfer of the same request bytes (reply: a response-sized message).
+    v1::ScoreResponse sample;
+    if (reference.ok()) {
+      for (float v : reference->target_logprobs) sample.add_target_logprobs(v);
+      for (float v : reference->entropy) sample.add_entropy(v);
+    }
+    const std::string reply_bytes = sample.SerializeAsString();
+    echo.Expect(request_bytes.size(), logitserve::bench::BufferOf(reply_bytes));
+    const grpc::ByteBuffer request_buffer = logitserve::bench::BufferOf(request_bytes);
+    for (int i = -1; i < iters; ++i) {  // -1: warm-up
+      grpc::ClientContext ctx;
+      grpc::ByteBuffer reply;
+      std::promise<grpc::Status> done;
+      const Clock::time_point t0 = Clock::now();
+      raw.UnaryCall(&ctx, logitserve::bench::kEchoMethod, grpc::StubOptions(), &request_buffer,
+                    &reply, [&done](grpc::Status s) { done.set_value(std::move(s)); });
+      const grpc::Status s = done.get_future().get();
+      const double ms = MsSince(t0);
+      if (!s.ok() || reply.Length() != reply_bytes.size()) ++wrong;
+      if (i >= 0) transfer_ms.push_back(ms);
+    }
+    // Shared memory: the same bytes in a region, hidden then ids.
+    if (!no_shm) {
+      const uint64_t hidden_bytes = in.hidden.size() * 2;
+      const uint64_t bytes = hidden_bytes + in.ids.size() * 4;
+      const std::string name = "wire-bench-" + std::to_string(getpid());
+      auto shm = lc::SharedMemoryBuffer::Create("/" + name, bytes);
+      absl::Status reg =
+          shm.ok() ? (*unpiped)->RegisterSharedMemory(name, (*shm)->key(), 0, bytes) : shm.status();
+      if (!reg.ok()) {
+        std::fprintf(stderr, "shared memory: %s\n", reg.ToString().c_str());
+        ++wrong;
+      } else {
+        std::memcpy((*shm)->data(), in.hidden.data(), hidden_bytes);
+        std::memcpy(static_cast<char*>((*shm)->data()) + hidden_bytes, in.ids.data(),
+                    in.ids.size() * 4);
+        v1::ScoreRequest by_shm = BaseRequest(head);
+        *by_shm.mutable_hidden() = lc::SharedMemoryTensor(name, 0, v1::BFLOAT16, {rows, hidden});
+        *by_shm.mutable_target_ids() =
+            lc::SharedMemoryTensor(name, hidden_bytes, v1::INT32, {rows});
+        (void)(*unpiped)->Score(by_shm);
+        for (int i = 0; i < iters; ++i) {
+          const Clock::time_point t0 = Clock::now();
+          absl::StatusOr<lc::ScoreOutput> out = (*unpiped)->Score(by_shm);
+          shm_ms.push_back(MsSince(t0));
+          if (check(out) && reference.ok() && !SameBits(out->entropy, reference->entropy)) {
+            ++wrong;
+          }
+        }
+        if (!(*unpiped)->UnregisterSharedMemory(name).ok()) ++wrong;
+      }
+    }
+    // End-to-end rate: C threads, closed loop, pipelined client.
+    const int threads =
+        concurrency > 0 ? concurrency : static_cast<int>(std::clamp<int64_t>(4096 / rows, 2, 32));
+    std::atomic<int64_t> scored{0};
+    std::atomic<bool> stop{false};
+    const Clock::time_point t0 = Clock::now();
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&] {
+        while (!stop.load()) {
+          if (check((*piped)->Score(req))) scored += rows;
+        }
+      });
+    }
+    while (MsSince(t0) < rate_seconds * 1e3 || scored.load() < 4 * rows * threads) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (wrong.load() > 100) break;
+    }
+    stop = true;
+    for (std::thread& w : workers) w.join();
+    const double rate_ms = MsSince(t0);
+    const double e2e_rate = scored.load() / (rate_ms / 1e3);
+
+    const double c_ms = Median(compute_ms), s_ms = Median(single_ms), u_ms = Median(unpiped_ms),
+                 x_ms = Median(transfer_ms), m_ms = Median(shm_ms);
+    const double compute_rate = c_ms > 0 ? rows / (c_ms / 1e3) : 0;
+    const double mib = static_cast<double>(request_bytes.size()) / (1 << 20);
+    const double single_ratio = s_ms / std::max(c_ms, x_ms);
+    std::printf(
+        "%6lld %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11.3f %7.3f %8.3f %7.3f "
+        "%6lld\n",
+        static_cast<long long>(rows), mib, c_ms, compute_rate, e2e_rate, threads,
+        e2e_rate / compute_rate, s_ms, u_ms, x_ms, single_ratio, m_ms, no_shm ? 0.0 : m_ms / c_ms,
+        static_cast<long long>(wrong.load()));
+    std::fflush(stdout);
+    results.push_back(
+        {{"rows", rows},
+         {"request_bytes", request_bytes.size()},
+         {"compute_ms", c_ms},
+         {"compute_tokens_per_s", compute_rate},
+         {"e2e_tokens_per_s", e2e_rate},
+         {"e2e_threads", threads},
+         {"e2e_over_compute", e2e_rate / compute_rate},
+         {"single_ms", s_ms},
+         {"unpipelined_ms", u_ms},
+         {"transfer_ms", x_ms},
+         {"single_over_max_compute_transfer", single_ratio},
+         {"shm_ms", no_shm ? nlohmann::json() : nlohmann::json(m_ms)},
+         {"shm_over_compute", no_shm ? nlohmann::json() : nlohmann::json(m_ms / c_ms)},
+         {"wrong", wrong.load()}});
+    total_wrong += wrong.load();
+  }
+  std::printf("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)\n");
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << nlohmann::json({{"client", "c++"},
+                           {"backend", heads->backend},
+                           {"head", head},
+                           {"vocab_size", vocab},
+                           {"hidden_size", hidden},
+                           {"iters", iters},
+                           {"pipeline_chunk_bytes", piped_options.pipeline_chunk_bytes},
+                           {"pipeline_depth", piped_options.pipeline_depth},
+                           {"pipeline_streams", piped_options.pipeline_streams},
+                           {"results", results}})
+               .dump(2)
+        << "\n";
+  }
+  echo_server->Shutdown();
+  return total_wrong == 0 ? 0 : 1;
+}

@@ -1,0 +1,208 @@
+"""Score requests and responses on the wire without needless copies (issue 12, target 4).
+
+Requests: the ScoreRequest message holds every field except the bytes of its row tensors, which
+stay in numpy arrays (`WireRequest.arrays`, field name -> C-contiguous little-endian array of the
+wire dtype, rows first). `serialize` writes the message and then, per array, one more occurrence
+of the tensor field holding only `data`: protobuf parsers merge repeated occurrences of an
+embedded message, so the server sees one Tensor with dtype, shape and data. The array bytes are
+copied once, into the bytes object gRPC sends; a chunk of rows is a slice of the same arrays.
+
+Responses: `parse_score_response` reads the packed float outputs with numpy.frombuffer, and the
+packed int32 top-k ids with a vectorised varint decode, instead of protobuf's per-element
+containers. Anything it does not expect (an unpacked repeated field, an unknown wire type) falls
+back to the protobuf parser, so it is never less correct than ScoreResponse.FromString.
+"""
+
+import numpy as np
+
+from . import _pb
+
+SCORE_METHOD = "/logitserve.v1.Scorer/Score"
+SCORE_STREAM_METHOD = "/logitserve.v1.Scorer/ScoreStream"
+
+# ScoreRequest field numbers of the row tensors, and Tensor.data's.
+ROW_TENSOR_FIELDS = {"hidden": 3, "logits": 4, "reference_hidden": 7, "reference_logits": 8,
+                     "target_ids": 10}
+_TENSOR_DATA_FIELD = 3
+_LEN = 2  # wire type of length-delimited fields
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _tag(field, wire_type):
+    return _varint((field << 3) | wire_type)
+
+
+class WireRequest:
+    """A ScoreRequest (`message`, row-tensor data left empty) plus the row tensors' bytes as
+    arrays; rows [row_begin, row_end) of the arrays belong to this message (all when None)."""
+
+    __slots__ = ("message", "arrays", "row_begin", "row_end")
+
+    def __init__(self, message, arrays, row_begin=None, row_end=None):
+        self.message = message
+        self.arrays = arrays
+        self.row_begin = row_begin
+        self.row_end = row_end
+
+    @property
+    def request_id(self):
+        return self.message.request_id
+
+    def array_bytes(self):
+        return sum(self._rows(a).nbytes for a in self.arrays.values())
+
+    def _rows(self, a):
+        return a if self.row_begin is None else a[self.row_begin:self.row_end]
+
+    def to_message(self):
+        """The complete ScoreRequest message (copies the bytes; for tests and debugging)."""
+        return _pb.pb2().ScoreRequest.FromString(serialize(self))
+
+
+def serialize(request):
+    """Wire bytes of a WireRequest (or of a plain protobuf message)."""
+    if not isinstance(request, WireRequest):
+        return request.SerializeToString()
+    parts = [request.message.SerializeToString()]
+    for field, array in request.arrays.items():
+        rows = request._rows(array)
+        n = rows.nbytes
+        inner = _tag(_TENSOR_DATA_FIELD, _LEN) + _varint(n)
+        parts.append(_tag(ROW_TENSOR_FIELDS[field], _LEN) + _varint(len(inner) + n) + inner)
+        parts.append(memoryview(rows).cast("B") if n else b"")
+    return b"".join(parts)
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+_FLOAT_FIELDS = {2: "target_logprobs", 4: "top_k_logprobs", 5: "entropy", 6: "reference_entropy",
+                 7: "forward_kl", 8: "reverse_kl", 9: "jsd"}
+_INT_FIELDS = {10: "target_ids_per_row", 11: "top_k", 13: "head_version",
+               14: "reference_head_version", 15: "queue_us", 16: "compute_us", 18: "status_code"}
+_EMPTY_F32 = np.zeros(0, np.float32)
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+class FastResponse:
+    """A ScoreResponse with its repeated outputs as read-only numpy arrays (the attribute names of
+    logitserve.v1.ScoreResponse; sequence_sums / sequence_means are SequenceStats messages)."""
+
+    def __init__(self):
+        self.request_id = ""
+        self.status_message = ""
+        for name in _FLOAT_FIELDS.values():
+            setattr(self, name, _EMPTY_F32)
+        self.top_k_ids = _EMPTY_I32
+        for name in _INT_FIELDS.values():
+            setattr(self, name, 0)
+        pb2 = _pb.pb2()
+        self.sequence_sums = pb2.SequenceStats()
+        self.sequence_means = pb2.SequenceStats()
+
+    def HasField(self, name):  # noqa: N802 - protobuf's spelling
+        return bool(getattr(self, "_has_" + name, False))
+
+
+def _read_varint(data, i):
+    shift = value = 0
+    while True:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
+def decode_varints(buf, dtype=np.int32):
+    """Packed varints (protobuf int32 / int64) -> numpy, without a Python loop per element."""
+    b = np.frombuffer(buf, np.uint8)
+    if b.size == 0:
+        return np.zeros(0, dtype)
+    ends = np.flatnonzero(b < 0x80)
+    if ends.size == 0 or ends[-1] != b.size - 1:
+        raise ValueError("truncated varint")
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if lengths.max() > 10:
+        raise ValueError("varint longer than 10 bytes")
+    pos = np.arange(b.size) - np.repeat(starts, lengths)
+    parts = (b & 0x7F).astype(np.uint64) << (np.uint64(7) * pos.astype(np.uint64))
+    values = np.add.reduceat(parts, starts)
+    return values.view(np.int64).astype(dtype)  # int32 ids are sign-extended to 64 bits
+
+
+def _to_int32(v):
+    v &= 0xFFFFFFFFFFFFFFFF
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def parse_score_response(data):
+    """A FastResponse from ScoreResponse wire bytes (falls back to protobuf when unusual)."""
+    try:
+        return _parse_fast(data)
+    except (ValueError, IndexError, _Unusual):
+        return _pb.pb2().ScoreResponse.FromString(data)
+
+
+class _Unusual(Exception):
+    pass
+
+
+def _parse_fast(data):
+    pb2 = _pb.pb2()
+    r = FastResponse()
+    floats, ids = {}, []
+    i, n = 0, len(data)
+    while i < n:
+        key, i = _read_varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _read_varint(data, i)
+            if field not in _INT_FIELDS:
+                raise _Unusual()
+            setattr(r, _INT_FIELDS[field], _to_int32(value) if field == 18 else value)
+        elif wire == _LEN:
+            length, i = _read_varint(data, i)
+            end = i + length
+            if end > n:
+                raise ValueError("truncated field")
+            if field in _FLOAT_FIELDS:
+                if length % 4:
+                    raise ValueError("packed floats of %d bytes" % length)
+                floats.setdefault(field, []).append(np.frombuffer(data, "<f4", length // 4, i))
+            elif field == 3:
+                ids.append(decode_varints(memoryview(data)[i:end]))
+            elif field == 1:
+                r.request_id = bytes(data[i:end]).decode("utf-8")
+            elif field == 19:
+                r.status_message = bytes(data[i:end]).decode("utf-8")
+            elif field in (12, 17):
+                name = "sequence_sums" if field == 12 else "sequence_means"
+                getattr(r, name).MergeFromString(bytes(data[i:end]))
+                setattr(r, "_has_" + name, True)
+            else:
+                raise _Unusual()
+            i = end
+        else:
+            raise _Unusual()  # unpacked repeated values or unknown fields: let protobuf do it
+    for field, parts in floats.items():
+        a = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        setattr(r, _FLOAT_FIELDS[field], a.astype(np.float32, copy=False))
+    if ids:
+        r.top_k_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
+    del pb2
+    return r

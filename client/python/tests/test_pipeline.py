@@ -1,0 +1,73 @@
+"""Client-side pipelining of large requests over ScoreStream: bitwise the unsplit result however
+the request is cut, errors naming the row of the whole request."""
+
+import numpy as np
+import pytest
+
+import logitserve
+from conftest import H, V
+
+
+def _request(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return dict(head="policy", hidden=rng.normal(0, 1, (n, H)).astype(np.float32),
+                target_ids=rng.integers(0, V, n), entropy=True, top_k=4)
+
+
+def _same(a, b):
+    for name in ("target_logprobs", "entropy", "top_k_ids", "top_k_logprobs"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+ROW_BYTES = H * 4 + 8  # fp32 hidden + int64 ids
+
+
+@pytest.mark.parametrize("chunk_rows,depth,streams", [(9, 1, 1), (9, 4, 2), (9, 2, 3), (40, 2, 2)])
+def test_pipelined_equals_unsplit(server, chunk_rows, depth, streams):
+    req = _request(100, seed=1)
+    with logitserve.Client(server.address, pipeline_chunk_bytes=0) as c:
+        whole = c.score(**req)
+    with logitserve.Client(server.address, pipeline_chunk_bytes=chunk_rows * ROW_BYTES,
+                           pipeline_depth=depth, pipeline_streams=streams) as c:
+        piped = c.score(**req)
+    assert whole.chunks == 1 and piped.chunks == -(-100 // chunk_rows)
+    _same(whole, piped)
+
+
+def test_pipelined_sequences_and_fallback(server):
+    req = _request(60, seed=2)
+    req["sequence_lengths"] = [10, 20, 0, 30]
+    with logitserve.Client(server.address, pipeline_chunk_bytes=0) as c:
+        whole = c.score(**req)
+    with logitserve.Client(server.address, pipeline_chunk_bytes=30 * ROW_BYTES) as c:
+        piped = c.score(**req)
+        assert piped.chunks == 2  # {10, 20, 0}, {30}
+        _same(whole, piped)
+        np.testing.assert_array_equal(piped.sequence_sums.entropy, whole.sequence_sums.entropy)
+    with logitserve.Client(server.address, pipeline_chunk_bytes=15 * ROW_BYTES) as c:
+        unpiped = c.score(**req)  # a sequence longer than a chunk: sent unsplit
+        assert unpiped.chunks == 1
+        _same(whole, unpiped)
+
+
+def test_pipelined_error_names_the_row_of_the_whole_request(server):
+    req = _request(50, seed=3)
+    req["hidden"][37, 2] = np.inf
+    with logitserve.Client(server.address, pipeline_chunk_bytes=10 * ROW_BYTES) as c:
+        with pytest.raises(logitserve.InvalidArgument) as e:
+            c.score(**req)
+    assert "rows [30, 40) of 50" in e.value.details
+    assert "row 37 contains +inf (column 2)" in e.value.details
+
+
+def test_deadline_covers_every_chunk(heads):
+    # 1 s per 64 rows: 20 chunks of 10 rows need >= 3 s; the timeout is 0.5 s.
+    from support import Server
+    import time
+    with Server(heads.flags() + ["--test-fault", "slow-tile:1000"]) as s, \
+            logitserve.Client(s.address, timeout=0.5, max_retries=0,
+                              pipeline_chunk_bytes=10 * ROW_BYTES) as c:
+        t0 = time.monotonic()
+        with pytest.raises(logitserve.DeadlineExceeded):
+            c.score(**_request(200, seed=4))
+        assert time.monotonic() - t0 < 1.5

@@ -1,0 +1,371 @@
+// Shared-memory inputs end to end (issue 12 target 3): the C++ client writes tensors into a POSIX
+// shared-memory object, registers it with the real server (auth on) and sends requests naming
+// region + offset. Results must be bitwise those of the same values sent as bytes (and match the
+// fp64 reference); every bad range, dtype, size, name and token is refused before a byte is read;
+// unregistering waits for the request reading the region.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/client.h"
+#include "client/shm.h"
+#include "client/tensor.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "logitserve/kernels/dtype.h"
+#include "tests/client/output_expect.h"
+#include "tests/service/e2e_support.h"
+#include "tests/support/server_process.h"
+
+namespace logitserve::client {
+namespace {
+
+using ::logitserve::testing::ServerProcess;
+using testing::Bits;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "shm-user-token-71";
+const e2e::SyntheticHead& kHead = e2e::kPolicy;  // V = 3000, H = 64
+
+std::string Unique(const std::string& what) {
+  return "ls-test-" + std::to_string(getpid()) + "-" + what;
+}
+
+std::string TokenFile() {
+  const std::string path = ::testing::TempDir() + "/" + Unique("token");
+  std::ofstream(path) << kToken << "\n";
+  return path;
+}
+
+ClientOptions WithToken(const char* token) {
+  ClientOptions o;
+  o.rpc_timeout = absl::Seconds(30);
+  o.max_attempts = 1;
+  if (token != nullptr) o.bearer_token = token;
+  return o;
+}
+
+// Random bf16 hidden states [rows, H] and in-range target ids [rows].
+struct Inputs {
+  std::vector<uint16_t> hidden;
+  std::vector<int32_t> ids;
+};
+Inputs MakeInputs(int64_t rows, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Inputs in;
+  in.hidden.resize(rows * kHead.hidden);
+  for (uint16_t& b : in.hidden) b = kernels::FloatToBFloat16(normal(rng));
+  in.ids.resize(rows);
+  for (int32_t& id : in.ids) id = static_cast<int32_t>(rng() % kHead.vocab);
+  in.ids[0] = -100;  // ignored
+  return in;
+}
+
+// The request for `rows` rows with every per-row tensor in bytes.
+v1::ScoreRequest BytesRequest(const Inputs& in, int64_t rows) {
+  v1::ScoreRequest req;
+  req.set_head(kHead.name);
+  *req.mutable_hidden() = BFloat16TensorFromBits(in.hidden, {rows, kHead.hidden});
+  *req.mutable_target_ids() = TensorOf(in.ids, {rows});
+  req.set_entropy(true);
+  req.set_top_k(5);
+  return req;
+}
+
+// The same request naming region `region`: hidden at offset 0, ids right after it.
+v1::ScoreRequest ShmRequest(const std::string& region, int64_t rows) {
+  v1::ScoreRequest req;
+  req.set_head(kHead.name);
+  *req.mutable_hidden() = SharedMemoryTensor(region, 0, v1::BFLOAT16, {rows, kHead.hidden});
+  *req.mutable_target_ids() =
+      SharedMemoryTensor(region, rows * kHead.hidden * 2, v1::INT32, {rows});
+  req.set_entropy(true);
+  req.set_top_k(5);
+  return req;
+}
+
+uint64_t BytesOf(int64_t rows) { return rows * kHead.hidden * 2 + rows * 4; }
+
+void WriteInputs(const Inputs& in, SharedMemoryBuffer& shm) {
+  auto* p = static_cast<char*>(shm.data());
+  std::memcpy(p, in.hidden.data(), in.hidden.size() * 2);
+  std::memcpy(p + in.hidden.size() * 2, in.ids.data(), in.ids.size() * 4);
+}
+
+void ExpectBitwiseEqual(const ScoreOutput& a, const ScoreOutput& b) {
+  EXPECT_EQ(a.rows, b.rows);
+  EXPECT_EQ(Bits(a.target_logprobs), Bits(b.target_logprobs));
+  EXPECT_EQ(Bits(a.entropy), Bits(b.entropy));
+  EXPECT_EQ(a.top_k_ids, b.top_k_ids);
+  EXPECT_EQ(Bits(a.top_k_logprobs), Bits(b.top_k_logprobs));
+}
+
+class SharedMemoryE2ETest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    token_file_ = TokenFile();
+    server_ = e2e::StartServerProcess({"--backend", "cpu", "--threads", "2", "--synthetic-head",
+                                       kHead.Flag(), "--auth-token-file", token_file_});
+  }
+  static void TearDownTestSuite() {
+    server_.reset();
+    std::remove(token_file_.c_str());
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    auto client = Client::Create(server_->address(), WithToken(kToken));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+  }
+  // A fresh object of `bytes` bytes registered under a fresh name (returned in *name).
+  std::unique_ptr<SharedMemoryBuffer> Registered(const std::string& what, uint64_t bytes,
+                                                 std::string* name) {
+    auto shm = SharedMemoryBuffer::Create("/" + Unique(what), bytes);
+    EXPECT_TRUE(shm.ok()) << shm.status();
+    if (!shm.ok()) return nullptr;
+    *name = Unique(what);
+    const absl::Status s = client_->RegisterSharedMemory(*name, (*shm)->key(), 0, bytes);
+    EXPECT_TRUE(s.ok()) << s;
+    return *std::move(shm);
+  }
+
+  static inline std::unique_ptr<ServerProcess> server_;
+  static inline std::string token_file_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(SharedMemoryE2ETest, MatchesBytesBitwiseAndFp64) {
+  constexpr int64_t kRows = 37;
+  const Inputs in = MakeInputs(kRows, 1);
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("happy", BytesOf(kRows), &name);
+  ASSERT_NE(shm, nullptr);
+  WriteInputs(in, *shm);
+
+  const v1::ScoreRequest by_bytes = BytesRequest(in, kRows);
+  absl::StatusOr<ScoreOutput> want = client_->Score(by_bytes);
+  ASSERT_TRUE(want.ok()) << want.status();
+  testing::ExpectMatchesReference(by_bytes, *want, {{kHead.name, e2e::ReferenceHead(kHead)}});
+
+  absl::StatusOr<ScoreOutput> got = client_->Score(ShmRequest(name, kRows));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectBitwiseEqual(*got, *want);
+
+  // Split by the client into 8-row chunks: each chunk names its rows' offsets in the region.
+  ClientOptions split = WithToken(kToken);
+  split.max_rows_per_request = 8;
+  auto chunked = Client::Create(server_->address(), split);
+  ASSERT_TRUE(chunked.ok());
+  absl::StatusOr<ScoreOutput> pieces = (*chunked)->Score(ShmRequest(name, kRows));
+  ASSERT_TRUE(pieces.ok()) << pieces.status();
+  EXPECT_EQ(pieces->chunks, 5);
+  ExpectBitwiseEqual(*pieces, *want);
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SharedMemoryE2ETest, LogitsFromSharedMemoryMatchBytes) {
+  constexpr int64_t kRows = 3, kVocab = 257;
+  std::mt19937_64 rng(2);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(kRows * kVocab), ref(kRows * kVocab);
+  for (float& v : logits) v = normal(rng);
+  for (float& v : ref) v = normal(rng);
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("logits", 4096 + logits.size() * 4, &name);
+  ASSERT_NE(shm, nullptr);
+  std::memcpy(static_cast<char*>(shm->data()) + 4096, logits.data(), logits.size() * 4);
+
+  v1::ScoreRequest by_bytes;
+  *by_bytes.mutable_logits() = TensorOf(logits, {kRows, kVocab});
+  *by_bytes.mutable_reference_logits() = TensorOf(ref, {kRows, kVocab});
+  by_bytes.set_forward_kl(true);
+  by_bytes.set_entropy(true);
+  v1::ScoreRequest by_shm = by_bytes;
+  *by_shm.mutable_logits() = SharedMemoryTensor(name, 4096, v1::FLOAT32, {kRows, kVocab});
+  by_shm.mutable_logits()->mutable_shared_memory()->set_byte_size(logits.size() * 4);
+
+  absl::StatusOr<ScoreOutput> want = client_->Score(by_bytes);
+  absl::StatusOr<ScoreOutput> got = client_->Score(by_shm);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_TRUE(got.ok()) << got.status();
+  testing::ExpectMatchesReference(by_bytes, *want);
+  EXPECT_EQ(Bits(got->entropy), Bits(want->entropy));
+  EXPECT_EQ(Bits(got->forward_kl), Bits(want->forward_kl));
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SharedMemoryE2ETest, RangesOutsideTheRegionAreRefused) {
+  constexpr int64_t kRows = 16;
+  std::string name;
+  // One byte short of what the request needs.
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("small", BytesOf(kRows) - 1, &name);
+  ASSERT_NE(shm, nullptr);
+
+  absl::Status s = client_->Score(ShmRequest(name, kRows)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("target_ids.shared_memory"));
+  EXPECT_THAT(s.message(), HasSubstr("not inside region"));
+
+  v1::ScoreRequest past_end = ShmRequest(name, kRows);
+  past_end.mutable_hidden()->mutable_shared_memory()->set_offset(BytesOf(kRows) + 8);
+  s = client_->Score(past_end).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("hidden.shared_memory"));
+
+  // An offset that would wrap around when added to the size.
+  v1::ScoreRequest wrap = ShmRequest(name, kRows);
+  wrap.mutable_hidden()->mutable_shared_memory()->set_offset(std::numeric_limits<uint64_t>::max() -
+                                                             16);
+  s = client_->Score(wrap).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  // A region past the object's end cannot be registered.
+  s = client_->RegisterSharedMemory(Unique("too-big"), shm->key(), 0, shm->size() + 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = client_->RegisterSharedMemory(Unique("too-far"), shm->key(), shm->size(), 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SharedMemoryE2ETest, WrongDtypeOrSizeIsRefused) {
+  constexpr int64_t kRows = 4;
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("dtype", 4 * BytesOf(kRows), &name);
+  ASSERT_NE(shm, nullptr);
+
+  v1::ScoreRequest float_ids = ShmRequest(name, kRows);
+  float_ids.mutable_target_ids()->set_dtype(v1::FLOAT32);
+  absl::Status s = client_->Score(float_ids).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("target_ids: dtype"));
+
+  // byte_size declared for fp32 hidden states, dtype bf16.
+  v1::ScoreRequest mismatch = ShmRequest(name, kRows);
+  mismatch.mutable_hidden()->mutable_shared_memory()->set_byte_size(kRows * kHead.hidden * 4);
+  s = client_->Score(mismatch).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("hidden.shared_memory.byte_size"));
+
+  // Bytes and a shared-memory reference at once (a raw stub: the client refuses it itself).
+  v1::ScoreRequest both = ShmRequest(name, kRows);
+  both.mutable_hidden()->set_data(std::string(kRows * kHead.hidden * 2, '\0'));
+  auto stub = v1::Scorer::NewStub(e2e::Connect(server_->address()));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+  v1::ScoreResponse resp;
+  const grpc::Status gs = stub->Score(&ctx, both, &resp);
+  EXPECT_EQ(gs.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << gs.error_message();
+  EXPECT_THAT(gs.error_message(), HasSubstr("must be empty when shared_memory is set"));
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SharedMemoryE2ETest, TokensAreRequired) {
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("auth", BytesOf(2), &name);
+  ASSERT_NE(shm, nullptr);
+  for (const char* token : {static_cast<const char*>(nullptr), "wrong-token"}) {
+    auto anonymous = Client::Create(server_->address(), WithToken(token));
+    ASSERT_TRUE(anonymous.ok());
+    const absl::Status reg =
+        (*anonymous)->RegisterSharedMemory(Unique("anon"), shm->key(), 0, shm->size());
+    EXPECT_EQ(reg.code(), absl::StatusCode::kUnauthenticated) << reg;
+    const absl::Status unreg = (*anonymous)->UnregisterSharedMemory(name);
+    EXPECT_EQ(unreg.code(), absl::StatusCode::kUnauthenticated) << unreg;
+    const absl::Status score = (*anonymous)->Score(ShmRequest(name, 2)).status();
+    EXPECT_EQ(score.code(), absl::StatusCode::kUnauthenticated) << score;
+  }
+  // The region survived the anonymous attempts.
+  EXPECT_TRUE(client_->Score(ShmRequest(name, 2)).ok());
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SharedMemoryE2ETest, NamesAndKeysAreChecked) {
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("names", BytesOf(2), &name);
+  ASSERT_NE(shm, nullptr);
+  EXPECT_EQ(client_->RegisterSharedMemory(name, shm->key(), 0, 8).code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->RegisterSharedMemory(Unique("x"), "/" + Unique("no-such-object"), 0, 8).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->RegisterSharedMemory(Unique("x"), "/etc/passwd", 0, 8).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->RegisterSharedMemory("bad name!", shm->key(), 0, 8).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->RegisterSharedMemory(Unique("x"), shm->key(), 0, 0).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+  EXPECT_EQ(client_->UnregisterSharedMemory(name).code(), absl::StatusCode::kNotFound);
+  const absl::Status s = client_->Score(ShmRequest(name, 2)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_THAT(s.message(), HasSubstr("hidden.shared_memory.region"));
+}
+
+TEST_F(SharedMemoryE2ETest, ShrunkObjectIsRefused) {
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = Registered("shrunk", 2 * BytesOf(2), &name);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_TRUE(client_->Score(ShmRequest(name, 2)).ok());
+  const int fd = shm_open(shm->key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 16), 0);
+  close(fd);
+  const absl::Status s = client_->Score(ShmRequest(name, 2)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("no longer holds"));
+  EXPECT_TRUE(client_->UnregisterSharedMemory(name).ok());
+}
+
+// A server that sleeps 150 ms per 64-row tile (--test-fault slow-tile), so a 256-row request is
+// in flight for ~0.6 s: Unregister, sent while it computes, must answer only after it finished,
+// and the request must still get the right answer.
+TEST(SharedMemoryUnregisterE2ETest, WaitsForTheRequestReadingIt) {
+  constexpr int64_t kRows = 256;
+  std::unique_ptr<ServerProcess> server =
+      e2e::StartServerProcess({"--backend", "cpu", "--threads", "2", "--synthetic-head",
+                               kHead.Flag(), "--test-fault", "slow-tile:150"});
+  ASSERT_NE(server, nullptr);
+  auto client = Client::Create(server->address(), WithToken(nullptr));
+  ASSERT_TRUE(client.ok());
+  const Inputs in = MakeInputs(kRows, 3);
+  auto shm = SharedMemoryBuffer::Create("/" + Unique("busy"), BytesOf(kRows));
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  WriteInputs(in, **shm);
+  const std::string name = Unique("busy");
+  ASSERT_TRUE((*client)->RegisterSharedMemory(name, (*shm)->key(), 0, BytesOf(kRows)).ok());
+
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point score_done;
+  absl::StatusOr<ScoreOutput> got = absl::UnknownError("not run");
+  std::thread scorer([&] {
+    got = (*client)->Score(ShmRequest(name, kRows));
+    score_done = Clock::now();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const absl::Status unregistered = (*client)->UnregisterSharedMemory(name);
+  const Clock::time_point unregister_done = Clock::now();
+  scorer.join();
+  ASSERT_TRUE(unregistered.ok()) << unregistered;
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LE(score_done - unregister_done, std::chrono::milliseconds(50))
+      << "Unregister returned while the request was still reading the region";
+  absl::StatusOr<ScoreOutput> want = (*client)->Score(BytesRequest(in, kRows));
+  ASSERT_TRUE(want.ok()) << want.status();
+  ExpectBitwiseEqual(*got, *want);
+  EXPECT_EQ((*client)->Score(ShmRequest(name, kRows)).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace logitserve::client
