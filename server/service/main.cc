@@ -63,6 +63,7 @@ struct Flags {
   int64_t max_queue_delay_us = 0;
   int64_t memory_budget_bytes = int64_t{4} << 30;
   int64_t max_head_bytes = int64_t{16} << 30;
+  int64_t stream_window_bytes = int64_t{64} << 20;
   std::string test_fault;
   double collective_timeout_s = 60.0;
   int max_top_k = 64;
@@ -120,9 +121,17 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   app.add_option("--memory-budget-bytes", f.memory_budget_bytes,
-                 "Host bytes (request inputs and outputs) admitted at once; a request over the "
-                 "remaining budget is RESOURCE_EXHAUSTED at admission (0 = unlimited)")
+                 "Host bytes admitted at once: every byte a request makes the server hold (its "
+                 "message, inputs, per-token and per-sequence outputs) plus ScoreStream "
+                 "responses not yet sent; a request over the remaining budget is "
+                 "RESOURCE_EXHAUSTED at admission (0 = unlimited)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--stream-window-bytes", f.stream_window_bytes,
+                 "ScoreStream: bytes one stream may hold in requests in flight plus responses "
+                 "its client has not received yet; past it the stream stops reading (and so "
+                 "computing) until the client catches up")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option("--max-head-bytes", f.max_head_bytes,
                  "Largest LoadHead upload (weight + bias bytes); more is RESOURCE_EXHAUSTED")
@@ -450,6 +459,7 @@ int Run(int argc, char** argv) {
   options.limits.max_target_ids_per_row = flags.max_target_ids_per_row;
   options.max_receive_message_bytes = flags.max_receive_message_bytes;
   options.max_head_bytes = flags.max_head_bytes;
+  options.stream_window_bytes = flags.stream_window_bytes;
   options.scheduler.workers = flags.workers;
   options.scheduler.queue_size = static_cast<size_t>(flags.queue_size);
   options.scheduler.max_batch_tokens = flags.max_batch_tokens;
@@ -478,12 +488,16 @@ int Run(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, *credentials, &port);
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and take a
+  // share of the new connections (clients silently scored by other weights). One server per port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   ApplyConnectionLimits(serving, builder);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_receive_message_bytes));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    spdlog::error("cannot listen on {}", flags.listen);
+    spdlog::error("cannot listen on {} (address in use by another server, or not local?)",
+                  flags.listen);
     return kExitStartupError;
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
