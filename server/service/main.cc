@@ -4,9 +4,11 @@
 // report SERVING and print `logitserve listening on HOST:PORT` (one line on stdout, flushed) so
 // scripts and tests learn the port. Any start-up error is logged and exits non-zero before the
 // server listens. SIGTERM / SIGINT: NOT_SERVING, refuse new work, drain in-flight calls within
-// --drain-timeout, exit 0. A fatal device error (Backend::Health): NOT_SERVING, in-flight work
-// fails with UNAVAILABLE, exit 3 so the orchestrator restarts the process. Logs go to stderr;
-// stdout carries only the `logitserve metrics on` and `logitserve listening on` lines.
+// --drain-timeout, exit 0 (exit 4 when the deadline cut in-flight work off, or a second signal
+// ended the drain); while heads load, a signal exits 0 at once (shutdown_signals.h). A fatal
+// device error (Backend::Health): NOT_SERVING, in-flight work fails with UNAVAILABLE, exit 3 so
+// the orchestrator restarts the process. Logs go to stderr; stdout carries only the
+// `logitserve metrics on` and `logitserve listening on` lines.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -22,9 +24,12 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/backend/backend.h"
 #include "server/backend/fault_injection.h"
 #if LOGITSERVE_HAVE_CUDA
@@ -35,6 +40,7 @@
 #include "server/service/auth.h"
 #include "server/service/metrics.h"
 #include "server/service/service.h"
+#include "server/service/shutdown_signals.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -47,6 +53,8 @@ constexpr int64_t kDefaultMaxReceiveBytes = int64_t{576} << 20;
 constexpr int kExitStartupError = 1;
 constexpr int kExitNoCuda = 2;
 constexpr int kExitDeviceFault = 3;
+// In-flight work was abandoned: the drain deadline passed, or a second signal ended the drain.
+constexpr int kExitWorkAbandoned = ShutdownSignals::kExitForced;
 constexpr const char* kServiceName = "logitserve.v1.Scorer";
 
 struct Flags {
@@ -139,7 +147,8 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->capture_default_str();
   app.add_option("--test-fault", f.test_fault,
                  "TESTS ONLY: inject a fault: fatal-after:N (the backend fails fatally after N "
-                 "jobs), slow-tile:MS (sleep before every row tile); CUDA only: "
+                 "jobs), slow-tile:MS (sleep before every row tile), slow-load:MS (sleep before "
+                 "loading each head); CUDA only: "
                  "skip-collective:RANK, stall:RANK, sticky-error:RANK (a real device fault)");
   app.add_option("--collective-timeout-s", f.collective_timeout_s,
                  "CUDA: a GPU wait or NCCL collective taking longer than this is a fatal device "
@@ -270,10 +279,22 @@ void AddGaugeSources(const Backend* backend, const HeadStore* heads, Metrics& me
   });
 }
 
+// --test-fault slow-load:MS: the start-up delay before each head, for the tests of signals during
+// start-up; zero otherwise.
+constexpr char kSlowLoadFault[] = "slow-load:";
+std::chrono::milliseconds SlowLoadDelay(const std::string& test_fault) {
+  int ms = 0;
+  if (test_fault.rfind(kSlowLoadFault, 0) != 0) return std::chrono::milliseconds(0);
+  if (!absl::SimpleAtoi(test_fault.substr(sizeof(kSlowLoadFault) - 1), &ms) || ms < 0) ms = 0;
+  return std::chrono::milliseconds(ms);
+}
+
 // Loads every head named by the flags, prepares it on the backend and adds it to the store.
 absl::Status LoadHeads(const Flags& flags, Backend& backend, HeadStore& store) {
   std::vector<std::shared_ptr<HeadWeights>> loaded;
+  const std::chrono::milliseconds delay = SlowLoadDelay(flags.test_fault);
   for (const std::string& spec : flags.synthetic_heads) {
+    std::this_thread::sleep_for(delay);
     // The loader's messages already quote the flag and name the problem.
     absl::StatusOr<SyntheticHeadSpec> parsed = ParseSyntheticHeadSpec(spec);
     if (!parsed.ok()) return parsed.status();
@@ -381,12 +402,8 @@ std::string HostOf(const std::string& listen) {
 
 int Run(int argc, char** argv) {
   // Block the shutdown signals before any thread exists, so every thread inherits the mask and
-  // only the sigwait below ever sees them (no work in a signal handler).
-  sigset_t shutdown_signals;
-  sigemptyset(&shutdown_signals);
-  sigaddset(&shutdown_signals, SIGTERM);
-  sigaddset(&shutdown_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
+  // only the watcher's sigwait ever sees them (no work in a signal handler).
+  ShutdownSignals::Block();
 
   CLI::App app{
       "logitserve: exact full-vocabulary log-probabilities, entropy, KL and JSD over "
@@ -404,6 +421,8 @@ int Run(int argc, char** argv) {
   auto logger = spdlog::stderr_color_mt("logitserve");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
+  ShutdownSignals signals;  // from here on, a signal ends the start-up at once
+  signals.Start();
 
   // TLS and token files first: a bad file fails in milliseconds, before heads are loaded.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -438,7 +457,8 @@ int Run(int argc, char** argv) {
     spdlog::error("--test-fault {} needs the CUDA backend", flags.test_fault);
     return kExitStartupError;
   }
-  if (!flags.test_fault.empty() && !IsCudaTestFault(flags.test_fault)) {
+  if (!flags.test_fault.empty() && !IsCudaTestFault(flags.test_fault) &&
+      SlowLoadDelay(flags.test_fault).count() == 0) {
     spdlog::warn("--test-fault {}: injecting faults (tests only)", flags.test_fault);
     backend = WrapWithTestFault(*std::move(backend), flags.test_fault);
     if (!backend.ok()) {
@@ -510,16 +530,20 @@ int Run(int argc, char** argv) {
     std::printf("logitserve metrics on %s:%d\n", HostOf(serving.metrics_listen).c_str(),
                 metrics_http->port());
   }
+  signals.MarkServing();  // from here on, the first signal drains
+  // A second signal abandons in-flight work (exit 4) only if there is some; forgotten before the
+  // service goes away.
+  signals.SetWorkInFlight([&service] { return service.in_flight(); });
+  absl::Cleanup forget_service = [&signals] { signals.SetWorkInFlight(nullptr); };
   std::printf("logitserve listening on %s\n", address.c_str());
   std::fflush(stdout);
 
   // Wait for SIGTERM / SIGINT (drain, exit 0) or a fatal device error (exit kExitDeviceFault).
   int signal_number = 0;
   absl::Status fatal_status;
-  const timespec poll_interval{0, 100'000'000};
+  const absl::Duration poll_interval = absl::Milliseconds(100);
   while (true) {
-    siginfo_t info;
-    signal_number = sigtimedwait(&shutdown_signals, &info, &poll_interval);
+    signal_number = signals.Wait(poll_interval);
     if (signal_number > 0) break;
     fatal_status = fatal.status();
     if (!fatal_status.ok()) break;
@@ -548,13 +572,18 @@ int Run(int argc, char** argv) {
   while (service.in_flight() > 0 && std::chrono::system_clock::now() < drain_deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  const int64_t abandoned = service.in_flight();
+  if (abandoned > 0) {
+    spdlog::error("drain deadline ({} s) passed with {} request(s) in flight; cancelling them",
+                  flags.drain_seconds, abandoned);
+  }
   spdlog::debug("shutting the server down");
   server->Shutdown(drain_deadline);
   spdlog::debug("server shut down; stopping workers");
   service.StopWorkers();
   server->Wait();
   spdlog::info("stopped");
-  return 0;
+  return abandoned > 0 ? kExitWorkAbandoned : 0;
 }
 
 }  // namespace

@@ -6,9 +6,16 @@
 // behaviour produced (the issue's numbers) and far above the bounded one, so neither allocator
 // noise nor a slow machine decides the result.
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -272,6 +279,132 @@ TEST(StreamBackPressureE2eTest, ClientThatNeverReadsHoldsABoundedWindow) {
       static_cast<double>(max_growth) / kMiB, static_cast<long long>(kMaxRssGrowth / kMiB),
       kRequests, static_cast<double>(response_bytes) / kMiB);
   ExpectCallStatesBalanced(server->metrics_address(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item 6: odd files at start-up, signals, exit codes.
+
+std::string MakeTempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string pattern = absl::StrCat(base != nullptr ? base : "/tmp", "/hostile-XXXXXX");
+  return mkdtemp(pattern.data()) != nullptr ? pattern : "";
+}
+
+TEST(HostileStartupE2eTest, FifoAsConfigOrShardFailsInsteadOfHanging) {
+  for (const std::string fifo : {"config.json", "model.safetensors"}) {
+    SCOPED_TRACE(fifo);
+    const std::string dir = MakeTempDir();
+    ASSERT_FALSE(dir.empty());
+    if (fifo != "config.json") {
+      std::ofstream(dir + "/config.json") << R"({"vocab_size": 16, "hidden_size": 4})";
+    }
+    ASSERT_EQ(mkfifo((dir + "/" + fifo).c_str(), 0600), 0);
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<ServerProcess::ExitResult> r = ServerProcess::RunToExit(
+        {"--head", "fifo=" + dir, "--threads", "1"}, "", std::chrono::seconds(15));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 1) << r->output;  // not 137: killed by RunToExit after hanging
+    EXPECT_THAT(r->output, HasSubstr(fifo));
+    EXPECT_THAT(r->output, HasSubstr("not a regular file"));
+    EXPECT_LT(Seconds(Clock::now() - start), 10.0);
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// Spawns the server without waiting for it to listen (stdout and stderr to the test's stderr).
+pid_t SpawnServer(std::vector<std::string> args) {
+  args.insert(args.begin(), {ServerProcess::DefaultBinary(), "--listen", "127.0.0.1:0"});
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&actions);
+  return pid;
+}
+
+// The exit status of `pid` (128 + signal when killed), or -1 when it is still running after
+// `timeout` (then it is killed and reaped).
+int WaitForExit(pid_t pid, std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  int status = 0;
+  while (Clock::now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+TEST(HostileSignalsE2eTest, SigtermWhileHeadsLoadExitsAtOnce) {
+  // Each head waits 5 s before it loads (--test-fault slow-load): the signal lands in the first.
+  const pid_t pid = SpawnServer({"--synthetic-head", kSmall.Flag(), "--synthetic-head",
+                                 kPolicy.Flag(), "--test-fault", "slow-load:5000"});
+  ASSERT_GT(pid, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const Clock::time_point signalled = Clock::now();
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  EXPECT_EQ(WaitForExit(pid, std::chrono::seconds(4)), 0);
+  EXPECT_LT(Seconds(Clock::now() - signalled), 3.0);  // not after the 10 s of loading
+}
+
+// A Score call on a thread of its own.
+class BackgroundScore {
+ public:
+  BackgroundScore(v1::Scorer::Stub& stub, v1::ScoreRequest request) : request_(std::move(request)) {
+    context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    thread_ = std::thread([this, &stub] { status_ = stub.Score(&context_, request_, &response_); });
+  }
+  ~BackgroundScore() { Wait(); }
+  const grpc::Status& Wait() {
+    if (thread_.joinable()) thread_.join();
+    return status_;
+  }
+
+ private:
+  v1::ScoreRequest request_;
+  grpc::ClientContext context_;
+  v1::ScoreResponse response_;
+  grpc::Status status_;
+  std::thread thread_;
+};
+
+// Exit code of a drain that abandoned in-flight work (server/service/main.cc), restated.
+constexpr int kExitWorkAbandoned = 4;
+
+TEST(HostileSignalsE2eTest, DrainDeadlineThatCutsWorkOffExitsNonZero) {
+  // 20 tiles of >= 200 ms: the request runs for >= 4 s, the drain may take 0.5 s.
+  std::unique_ptr<ServerProcess> server =
+      StartServer({"--test-fault", "slow-tile:200", "--drain-timeout", "0.5"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Scorer::NewStub(Connect(server->address()));
+  BackgroundScore call(*stub, PolicyRequest(20 * kRowTile, 8, "long"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const Clock::time_point signalled = Clock::now();
+  EXPECT_EQ(server->Stop(SIGTERM, std::chrono::seconds(10)), kExitWorkAbandoned);
+  EXPECT_LT(Seconds(Clock::now() - signalled), 3.5);
+  EXPECT_FALSE(call.Wait().ok());
+}
+
+TEST(HostileSignalsE2eTest, SecondSignalEndsTheDrainAtOnce) {
+  std::unique_ptr<ServerProcess> server =
+      StartServer({"--test-fault", "slow-tile:200", "--drain-timeout", "30"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Scorer::NewStub(Connect(server->address()));
+  BackgroundScore call(*stub, PolicyRequest(20 * kRowTile, 9, "long"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(kill(server->pid(), SIGTERM), 0);  // drains: would wait >= 3.7 s for the request
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const Clock::time_point second = Clock::now();
+  EXPECT_EQ(server->Stop(SIGINT, std::chrono::seconds(10)), kExitWorkAbandoned);
+  EXPECT_LT(Seconds(Clock::now() - second), 2.0);
+  EXPECT_FALSE(call.Wait().ok());
 }
 
 }  // namespace
