@@ -31,6 +31,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
+#include "openssl/ec.h"
+#include "openssl/evp.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 #include "tests/service/serving_e2e_common.h"
 
 namespace logitserve::e2e::serving {
@@ -408,6 +412,60 @@ TEST(HostileSignalsE2eTest, SecondSignalEndsTheDrainAtOnce) {
   EXPECT_EQ(server->Stop(SIGINT, std::chrono::seconds(10)), kExitWorkAbandoned);
   EXPECT_LT(Seconds(Clock::now() - second), 2.0);
   EXPECT_FALSE(call.Wait().ok());
+}
+
+// Writes a self-signed P-256 certificate for 127.0.0.1 valid from 2 days ago until
+// `valid_until_days` days from now (negative: already expired) and its key; false on failure.
+bool WriteSelfSignedCert(const std::string& cert_path, const std::string& key_path,
+                         long valid_until_days) {
+  EVP_PKEY* key = EVP_EC_gen("P-256");
+  X509* cert = X509_new();
+  bool ok = key != nullptr && cert != nullptr;
+  if (ok) {
+    X509_set_version(cert, 2);
+    ASN1_INTEGER_set(X509_get_serialNumber(cert), 1);
+    X509_gmtime_adj(X509_getm_notBefore(cert), -2 * 86400L);
+    X509_gmtime_adj(X509_getm_notAfter(cert), valid_until_days * 86400L);
+    X509_set_pubkey(cert, key);
+    X509_NAME* name = X509_get_subject_name(cert);
+    X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
+                               reinterpret_cast<const unsigned char*>("127.0.0.1"), -1, -1, 0);
+    X509_set_issuer_name(cert, name);
+    ok = X509_sign(cert, key, EVP_sha256()) > 0;
+  }
+  FILE* c = ok ? std::fopen(cert_path.c_str(), "w") : nullptr;
+  FILE* k = ok ? std::fopen(key_path.c_str(), "w") : nullptr;
+  ok = c != nullptr && k != nullptr && PEM_write_X509(c, cert) == 1 &&
+       PEM_write_PrivateKey(k, key, nullptr, nullptr, 0, nullptr, nullptr) == 1;
+  if (c != nullptr) std::fclose(c);
+  if (k != nullptr) std::fclose(k);
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  return ok;
+}
+
+TEST(HostileStartupE2eTest, ExpiredServerCertificateIsWarnedAbout) {
+  const std::string dir = MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  for (const long days : {-1L, 30L}) {
+    SCOPED_TRACE(days);
+    const std::string cert = dir + "/cert.pem";
+    const std::string key = dir + "/key.pem";
+    ASSERT_TRUE(WriteSelfSignedCert(cert, key, days));
+    // The server starts (the operator may be rotating the file) and runs until RunToExit stops
+    // it: its log up to then is what an operator sees.
+    absl::StatusOr<ServerProcess::ExitResult> r = ServerProcess::RunToExit(
+        {"--synthetic-head", kSmall.Flag(), "--threads", "1", "--tls-cert", cert, "--tls-key", key},
+        "", std::chrono::seconds(1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->output, HasSubstr("logitserve listening on"));
+    if (days < 0) {
+      EXPECT_THAT(r->output, HasSubstr("--tls-cert: '" + cert + "' expired on"));
+    } else {
+      EXPECT_THAT(r->output, Not(HasSubstr("expired")));
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // ---------------------------------------------------------------------------------------------
