@@ -13,6 +13,7 @@
 #include "openssl/evp.h"
 #include "openssl/pem.h"
 #include "openssl/x509.h"
+#include "server/service/status.h"
 #include "spdlog/spdlog.h"
 
 namespace logitserve {
@@ -161,6 +162,43 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
   }
   options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
   return grpc::SslServerCredentials(options);
+}
+
+namespace {
+
+class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
+ public:
+  explicit TokenAuthProcessor(const Authorizer* authorizer) : authorizer_(authorizer) {}
+
+  // A few string compares: cheap enough for gRPC's own thread.
+  bool IsBlocking() const override { return false; }
+
+  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* /*context*/,
+                       OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
+    constexpr absl::string_view kScorer = "/logitserve.v1.Scorer/";
+    const auto path = metadata.find(":path");
+    const absl::string_view method =
+        path == metadata.end() ? absl::string_view()
+                               : absl::string_view(path->second.data(), path->second.size());
+    if (!absl::StartsWith(method, kScorer)) return grpc::Status::OK;  // health, reflection
+    const Role role = method == "/logitserve.v1.Scorer/LoadHead" ? Role::kAdmin : Role::kUser;
+    const auto it = metadata.find(grpc::string_ref(kMetadataKey.data(), kMetadataKey.size()));
+    const absl::Status s =
+        it == metadata.end()
+            ? authorizer_->CheckHeader(false, {}, role)
+            : authorizer_->CheckHeader(
+                  true, absl::string_view(it->second.data(), it->second.size()), role);
+    return ToGrpcStatus(s);
+  }
+
+ private:
+  const Authorizer* const authorizer_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(const Authorizer* authorizer) {
+  return std::make_shared<TokenAuthProcessor>(authorizer);
 }
 
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {

@@ -195,6 +195,9 @@ struct ServingFlags {
   int keepalive_timeout_ms = 20000;
   int keepalive_min_ping_interval_ms = 10000;
   int handshake_timeout_ms = 20000;
+  // gRPC's own memory (connections, frames, messages being received): 0 = twice the largest
+  // request message plus 256 MiB.
+  int64_t grpc_memory_quota_bytes = 0;
 };
 
 void AddServingFlags(CLI::App& app, ServingFlags& f) {
@@ -231,6 +234,12 @@ void AddServingFlags(CLI::App& app, ServingFlags& f) {
                  "Shortest interval between client keepalive pings allowed (also without calls); "
                  "clients pinging more often are disconnected (GOAWAY too_many_pings)")
       ->check(CLI::Range(1, INT32_MAX))
+      ->capture_default_str();
+  app.add_option("--grpc-memory-quota-bytes", f.grpc_memory_quota_bytes,
+                 "Memory gRPC may use for connections and messages being received, before any "
+                 "authentication (grpc::ResourceQuota; past it gRPC shrinks windows and cancels "
+                 "streams); 0 = 2 x --max-receive-message-bytes + 256 MiB")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option("--handshake-timeout-ms", f.handshake_timeout_ms,
                  "Close a connection that has not finished its HTTP/2 (and TLS) handshake by then")
@@ -438,6 +447,11 @@ int Run(int argc, char** argv) {
     return kExitStartupError;
   }
   if (!(*authorizer)->enabled()) spdlog::warn("no --auth-token-file: every RPC is open");
+  if ((*authorizer)->enabled() && !serving.tls_cert.empty()) {
+    // Tokens are checked on the initial metadata, before gRPC reads a request (TLS only: gRPC
+    // has no such hook for plaintext ports, where the handlers' check after the read remains).
+    (*credentials)->SetAuthMetadataProcessor(MakeTokenAuthProcessor(authorizer->get()));
+  }
   Metrics metrics;  // outlives the service and the metrics HTTP server (declared before both)
 
   if (flags.heads.empty() && flags.synthetic_heads.empty()) {
@@ -513,6 +527,12 @@ int Run(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   ApplyConnectionLimits(serving, builder);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_receive_message_bytes));
+  // What gRPC itself may hold (before any token is checked: unary messages arrive whole first).
+  grpc::ResourceQuota quota("logitserve");
+  quota.Resize(static_cast<size_t>(serving.grpc_memory_quota_bytes > 0
+                                       ? serving.grpc_memory_quota_bytes
+                                       : 2 * flags.max_receive_message_bytes + (int64_t{256} << 20)));
+  builder.SetResourceQuota(quota);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

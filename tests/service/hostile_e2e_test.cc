@@ -35,6 +35,7 @@
 #include "openssl/evp.h"
 #include "openssl/pem.h"
 #include "openssl/x509.h"
+#include "openssl/x509v3.h"
 #include "tests/service/serving_e2e_common.h"
 
 namespace logitserve::e2e::serving {
@@ -431,7 +432,13 @@ bool WriteSelfSignedCert(const std::string& cert_path, const std::string& key_pa
     X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
                                reinterpret_cast<const unsigned char*>("127.0.0.1"), -1, -1, 0);
     X509_set_issuer_name(cert, name);
-    ok = X509_sign(cert, key, EVP_sha256()) > 0;
+    X509V3_CTX ctx;
+    X509V3_set_ctx_nodb(&ctx);
+    X509V3_set_ctx(&ctx, cert, cert, nullptr, nullptr, 0);
+    X509_EXTENSION* san = X509V3_EXT_conf_nid(nullptr, &ctx, NID_subject_alt_name, "IP:127.0.0.1");
+    ok = san != nullptr && X509_add_ext(cert, san, -1) == 1 &&
+         X509_sign(cert, key, EVP_sha256()) > 0;
+    X509_EXTENSION_free(san);
   }
   FILE* c = ok ? std::fopen(cert_path.c_str(), "w") : nullptr;
   FILE* k = ok ? std::fopen(key_path.c_str(), "w") : nullptr;
@@ -465,6 +472,100 @@ TEST(HostileStartupE2eTest, ExpiredServerCertificateIsWarnedAbout) {
       EXPECT_THAT(r->output, Not(HasSubstr("expired")));
     }
   }
+  std::filesystem::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item 3: memory before authentication.
+
+// Two unauthenticated Score calls of 200 MiB each (a request_id that size) at once. On a
+// plaintext port gRPC receives a unary message whole before the handler can check its token, so
+// what bounds the server is --grpc-memory-quota-bytes: past it gRPC refuses the streams
+// (RST_STREAM, RESOURCE_EXHAUSTED). On a TLS port the token is checked on the initial metadata
+// (MakeTokenAuthProcessor), before the message is read: UNAUTHENTICATED, and nothing buffered.
+// Without either, the server held both messages and their parsed copies (> 800 MiB).
+constexpr int64_t kPreAuthMessage = 200 * kMiB;
+// Peak RSS growth allowed: the 64 MiB quota (plaintext), or a few HTTP/2 windows (TLS), plus
+// gRPC's per-connection buffers, about twice over.
+constexpr int64_t kMaxPreAuthGrowth = 160 * kMiB;
+
+void ExpectUnauthenticatedCallsBounded(const ServerProcess& server,
+                                       std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                       grpc::StatusCode want, const std::string& what) {
+  const int64_t peak_before = PeakRss(server);
+  ASSERT_GT(peak_before, 0);
+  auto stub = v1::Scorer::NewStub(
+      grpc::CreateCustomChannel(server.address(), credentials, UnlimitedReceive()));
+  constexpr int kCalls = 2;
+  std::vector<std::thread> calls;
+  std::vector<grpc::Status> status(kCalls);
+  for (int i = 0; i < kCalls; ++i) {
+    calls.emplace_back([&, i] {
+      v1::ScoreRequest r = PolicyRequest(1, 50 + i);
+      r.set_request_id(std::string(kPreAuthMessage, 'x'));
+      v1::ScoreResponse response;
+      status[i] = CallScore(*stub, r, &response);
+    });
+  }
+  for (std::thread& t : calls) t.join();
+  for (const grpc::Status& s : status) {
+    EXPECT_EQ(s.error_code(), want) << what << ": " << s.error_message().substr(0, 200);
+  }
+  const int64_t growth = PeakRss(server) - peak_before;
+  EXPECT_LT(growth, kMaxPreAuthGrowth) << what;
+  std::printf(
+      "[ measured ] %s: 2 unauthenticated 200 MiB calls -> %s, peak RSS growth %.1f MiB "
+      "(bound %lld MiB)\n",
+      what.c_str(), status[0].error_message().substr(0, 60).c_str(),
+      static_cast<double>(growth) / kMiB, static_cast<long long>(kMaxPreAuthGrowth / kMiB));
+}
+
+TEST(PreAuthMemoryE2eTest, PlaintextPortIsBoundedByTheGrpcMemoryQuota) {
+  const std::string dir = MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  std::ofstream(dir + "/token") << "secret-token-1";
+  std::unique_ptr<ServerProcess> server =
+      StartServer({"--auth-token-file", dir + "/token", "--grpc-memory-quota-bytes",
+                   std::to_string(64 * kMiB)});
+  ASSERT_NE(server, nullptr);
+  ExpectUnauthenticatedCallsBounded(*server, grpc::InsecureChannelCredentials(),
+                                    grpc::StatusCode::RESOURCE_EXHAUSTED, "plaintext");
+  // Calls within the quota are still served (and still need the token).
+  auto stub = v1::Scorer::NewStub(Connect(server->address()));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer secret-token-1");
+  v1::ScoreResponse response;
+  grpc::Status s = stub->Score(&context, PolicyRequest(4, 52), &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PreAuthMemoryE2eTest, TlsPortRefusesUnauthenticatedCallsBeforeReadingThem) {
+  const std::string dir = MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  std::ofstream(dir + "/token") << "secret-token-2";
+  ASSERT_TRUE(WriteSelfSignedCert(dir + "/cert.pem", dir + "/key.pem", 30));
+  // The default quota (2 x 576 MiB + 256 MiB) would let both messages in.
+  std::unique_ptr<ServerProcess> server =
+      StartServer({"--auth-token-file", dir + "/token", "--tls-cert", dir + "/cert.pem",
+                   "--tls-key", dir + "/key.pem"});
+  ASSERT_NE(server, nullptr);
+  std::ifstream cert_in(dir + "/cert.pem");
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs.assign(std::istreambuf_iterator<char>(cert_in), {});
+  ExpectUnauthenticatedCallsBounded(*server, grpc::SslCredentials(tls),
+                                    grpc::StatusCode::UNAUTHENTICATED, "TLS");
+  auto channel = grpc::CreateChannel(server->address(), grpc::SslCredentials(tls));
+  // With the token the call is served; health checks stay open without one.
+  auto stub = v1::Scorer::NewStub(channel);
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer secret-token-2");
+  v1::ScoreResponse response;
+  grpc::Status s = stub->Score(&context, PolicyRequest(4, 53), &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  grpc::Status health;
+  EXPECT_EQ(CheckHealth(channel, &health), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_TRUE(health.ok()) << health.error_message();
   std::filesystem::remove_all(dir);
 }
 
