@@ -505,6 +505,16 @@ int Run(int argc, char** argv) {
   options.authorizer = authorizer->get();
   options.metrics = &metrics;
   AddGaugeSources(backend->get(), &heads, metrics);
+  // Before the metrics endpoint, so scrapes (which read it) stop before the service goes away.
+  ScorerService service(backend->get(), &heads, options);
+  metrics.AddGaugeSource(
+      "logitserve_memory_admitted_bytes",
+      "Bytes counted against --memory-budget-bytes: requests in flight and unsent stream "
+      "responses.",
+      [&service] {
+        return std::vector<Metrics::LabeledValue>{
+            {{}, static_cast<double>(service.admitted_bytes())}};
+      });
   std::unique_ptr<MetricsHttpServer> metrics_http;  // stopped before heads / backend go away
   if (!serving.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
@@ -515,7 +525,6 @@ int Run(int argc, char** argv) {
     }
     metrics_http = *std::move(started);
   }
-  ScorerService service(backend->get(), &heads, options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -79,6 +79,8 @@ class ScorerService final : public v1::Scorer::CallbackService {
   void StopWorkers();
   // Requests admitted and not yet answered (queued or computing).
   int64_t in_flight() const { return scheduler_.in_flight(); }
+  // Bytes counted against the memory budget: admitted requests and unsent stream responses.
+  int64_t admitted_bytes() const { return scheduler_.bytes_in_flight(); }
 
   // The description of a head that ListHeads and LoadHead return.
   static void FillHeadInfo(const HeadWeights& weights, const Backend& backend, v1::HeadInfo* info);
