@@ -537,10 +537,11 @@ int Run(int argc, char** argv) {
   ApplyConnectionLimits(serving, builder);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_receive_message_bytes));
   // What gRPC itself may hold (before any token is checked: unary messages arrive whole first).
+  const int64_t quota_bytes = serving.grpc_memory_quota_bytes > 0
+                                  ? serving.grpc_memory_quota_bytes
+                                  : 2 * flags.max_receive_message_bytes + (int64_t{256} << 20);
   grpc::ResourceQuota quota("logitserve");
-  quota.Resize(static_cast<size_t>(serving.grpc_memory_quota_bytes > 0
-                                       ? serving.grpc_memory_quota_bytes
-                                       : 2 * flags.max_receive_message_bytes + (int64_t{256} << 20)));
+  quota.Resize(static_cast<size_t>(quota_bytes));
   builder.SetResourceQuota(quota);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
