@@ -459,7 +459,9 @@ absl::StatusOr<SafetensorsView> ParseSafetensors(absl::Span<const uint8_t> bytes
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; such files are refused
+  // below. It changes nothing for regular files.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("cannot open safetensors file ", path));
   }

@@ -1,5 +1,9 @@
 #include "server/heads/hf_checkpoint.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -44,10 +48,23 @@ std::string JoinPath(const std::string& dir, absl::string_view file) {
   return (std::filesystem::path(dir) / std::string(file)).string();
 }
 
-// The whole file as text. NOT_FOUND (and the other OS codes) name the path.
+// The whole file as text. NOT_FOUND (and the other OS codes) name the path; anything but a
+// regular file (a FIFO would block the start-up forever, a device never end) is INVALID_ARGUMENT.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", path));
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused by the check below.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", path));
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  std::FILE* file = ::fdopen(fd, "rb");
+  if (file == nullptr) {
+    const int error = errno;
+    ::close(fd);
+    return absl::ErrnoToStatus(error, absl::StrCat("cannot open ", path));
+  }
   std::string text;
   char buffer[1 << 16];
   size_t got = 0;

@@ -29,6 +29,10 @@ int64_t Scheduler::EstimateItemBytes(const ScoreJob& job) {
          2 * job.rows * per_row_outputs * static_cast<int64_t>(sizeof(float));
 }
 
+int64_t Scheduler::ItemBytes(const Item& item) {
+  return EstimateItemBytes(item.job) + std::max<int64_t>(0, item.extra_bytes);
+}
+
 Scheduler::Scheduler(Backend* backend, const SchedulerOptions& options, SchedulerHooks hooks)
     : backend_(backend), options_(options), hooks_(std::move(hooks)) {
   const int workers = std::max(1, options_.workers);
@@ -40,7 +44,7 @@ Scheduler::~Scheduler() { Stop(); }
 
 absl::Status Scheduler::Submit(Item item) {
   auto q = std::make_unique<Queued>();
-  q->bytes = EstimateItemBytes(item.job);
+  q->bytes = ItemBytes(item);
   q->item = std::move(item);
   q->enqueued = Clock::now();
   {
@@ -89,6 +93,16 @@ void Scheduler::Stop() {
 int64_t Scheduler::in_flight() const {
   absl::MutexLock lock(&mu_);
   return items_in_flight_;
+}
+
+void Scheduler::AddHeldBytes(int64_t delta) {
+  absl::MutexLock lock(&mu_);
+  bytes_in_flight_ += delta;
+}
+
+int64_t Scheduler::bytes_in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_in_flight_;
 }
 
 std::vector<std::unique_ptr<Scheduler::Queued>> Scheduler::TakeBatch() {

@@ -46,8 +46,8 @@ struct SchedulerOptions {
   // How long the oldest queued item may wait for more rows to fill its batch (0 = take what is
   // queued now; under load, requests that arrive while a batch runs are batched anyway).
   std::chrono::microseconds max_queue_delay{0};
-  // Budget of request bytes (inputs + outputs, see EstimateItemBytes) admitted and not yet done;
-  // 0 = unlimited.
+  // Budget of request bytes (inputs + outputs, see ItemBytes) admitted and not yet done, plus
+  // bytes held past done (AddHeldBytes); 0 = unlimited.
   int64_t memory_budget_bytes = 0;
 };
 
@@ -66,7 +66,7 @@ class Scheduler {
   using Clock = std::chrono::steady_clock;
   struct Timing {
     Clock::time_point enqueued;
-    Clock::time_point started;   // the batch began computing (or the item was refused)
+    Clock::time_point started;  // the batch began computing (or the item was refused)
     Clock::time_point finished;
     int64_t batch_requests = 0;  // members of the batch the item ran in
     int64_t batch_rows = 0;
@@ -83,10 +83,16 @@ class Scheduler {
     // before batching; a failure fails this item only. May be empty.
     std::function<absl::Status(const ScoreJob& job)> precheck;
     Done done;
+    // Bytes the item makes the server hold beyond EstimateItemBytes(job), counted against the
+    // memory budget too: the rest of the request message, outputs the caller derives from the
+    // result (per-sequence sums), echoed fields. >= 0.
+    int64_t extra_bytes = 0;
   };
 
   // Bytes an item holds while admitted: its inputs and its outputs.
   static int64_t EstimateItemBytes(const ScoreJob& job);
+  // What admission counts for `item`: EstimateItemBytes(item.job) + item.extra_bytes.
+  static int64_t ItemBytes(const Item& item);
 
   // `backend` must outlive the scheduler.
   Scheduler(Backend* backend, const SchedulerOptions& options, SchedulerHooks hooks);
@@ -104,6 +110,13 @@ class Scheduler {
 
   // Items admitted and not yet done (queued or computing).
   int64_t in_flight() const;
+
+  // Bytes held for admitted work after its item is done (a response waiting for a slow client)
+  // that count against the memory budget until released with a negative `delta`. Never refused:
+  // call it from `done` (before the item's own bytes are released) to hand them over.
+  void AddHeldBytes(int64_t delta);
+  // Bytes counted against the memory budget now (items in flight plus held bytes).
+  int64_t bytes_in_flight() const;
 
  private:
   struct Queued {

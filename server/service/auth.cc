@@ -13,6 +13,8 @@
 #include "openssl/evp.h"
 #include "openssl/pem.h"
 #include "openssl/x509.h"
+#include "server/service/status.h"
+#include "spdlog/spdlog.h"
 
 namespace logitserve {
 namespace {
@@ -78,6 +80,30 @@ X509Ptr FirstCertificate(const std::string& pem) {
   return cert;
 }
 
+// An ASN.1 time as OpenSSL prints it ("Jan  1 00:00:00 2026 GMT").
+std::string TimeText(const ASN1_TIME* t) {
+  BioPtr bio(BIO_new(BIO_s_mem()));
+  if (bio == nullptr || ASN1_TIME_print(bio.get(), t) != 1) return "?";
+  char* data = nullptr;
+  const long n = BIO_get_mem_data(bio.get(), &data);
+  return std::string(data, static_cast<size_t>(n));
+}
+
+// An expired (or not yet valid) server certificate still starts the server: the operator may be
+// rotating it, and a renewed file only takes effect on restart. But every TLS client will refuse
+// the handshake, so say so loudly at start-up rather than leave it to the clients' errors.
+void WarnIfNotValidNow(const X509& cert, const std::string& cert_file) {
+  const ASN1_TIME* not_after = X509_get0_notAfter(&cert);
+  const ASN1_TIME* not_before = X509_get0_notBefore(&cert);
+  if (X509_cmp_current_time(not_after) < 0) {
+    spdlog::warn("--tls-cert: '{}' expired on {}; TLS clients will refuse to connect", cert_file,
+                 TimeText(not_after));
+  } else if (X509_cmp_current_time(not_before) > 0) {
+    spdlog::warn("--tls-cert: '{}' is not valid before {}; TLS clients will refuse to connect",
+                 cert_file, TimeText(not_before));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFiles(
@@ -121,6 +147,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
                                                    cert_file, "' (--tls-cert)"));
   }
 
+  WarnIfNotValidNow(*x509, cert_file);
+
   grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   if (!client_ca_file.empty()) {
     absl::StatusOr<std::string> ca = ReadPemFile(client_ca_file, "--tls-client-ca");
@@ -134,6 +162,43 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
   }
   options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
   return grpc::SslServerCredentials(options);
+}
+
+namespace {
+
+class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
+ public:
+  explicit TokenAuthProcessor(const Authorizer* authorizer) : authorizer_(authorizer) {}
+
+  // A few string compares: cheap enough for gRPC's own thread.
+  bool IsBlocking() const override { return false; }
+
+  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* /*context*/,
+                       OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
+    constexpr absl::string_view kScorer = "/logitserve.v1.Scorer/";
+    const auto path = metadata.find(":path");
+    const absl::string_view method =
+        path == metadata.end() ? absl::string_view()
+                               : absl::string_view(path->second.data(), path->second.size());
+    if (!absl::StartsWith(method, kScorer)) return grpc::Status::OK;  // health, reflection
+    const Role role = method == "/logitserve.v1.Scorer/LoadHead" ? Role::kAdmin : Role::kUser;
+    const auto it = metadata.find(grpc::string_ref(kMetadataKey.data(), kMetadataKey.size()));
+    const absl::Status s =
+        it == metadata.end()
+            ? authorizer_->CheckHeader(false, {}, role)
+            : authorizer_->CheckHeader(
+                  true, absl::string_view(it->second.data(), it->second.size()), role);
+    return ToGrpcStatus(s);
+  }
+
+ private:
+  const Authorizer* const authorizer_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(const Authorizer* authorizer) {
+  return std::make_shared<TokenAuthProcessor>(authorizer);
 }
 
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {

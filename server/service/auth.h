@@ -18,11 +18,13 @@
 //
 // Not covered: grpc.health.v1 and server reflection stay unauthenticated on purpose, because
 // Kubernetes gRPC liveness/readiness probes cannot send metadata; they reveal only the serving
-// status and the (public) API schema, and do no compute. Tokens travel in clear text unless the server runs with TLS (--tls-cert / --tls-key).
+// status and the (public) API schema, and do no compute. Tokens travel in clear text unless the
+// server runs with TLS (--tls-cert / --tls-key).
 //
 // Thread safety: immutable after construction; Check() may be called from any thread at once.
 #pragma once
 
+#include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_context.h>
 
@@ -66,6 +68,14 @@ class Authorizer {
   const std::string user_token_;
   const std::string admin_token_;
 };
+
+// An AuthMetadataProcessor applying `authorizer` (which must outlive it) to every call's initial
+// metadata, by method (`:path`): LoadHead needs the admin role, the other logitserve.v1.Scorer
+// methods the user role, everything else (health, reflection) is open as above. gRPC runs it
+// before the call's messages are read, so an unauthenticated call is refused (UNAUTHENTICATED /
+// PERMISSION_DENIED) before its request is buffered. gRPC supports processors only on secure
+// (TLS) credentials; the handlers' own Check stays in place for every transport.
+std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(const Authorizer* authorizer);
 
 // The credentials of the gRPC listening port from the TLS flags (paths of PEM files):
 //   - cert and key empty, client_ca empty -> insecure (plaintext) credentials;

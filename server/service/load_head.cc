@@ -9,6 +9,7 @@
 //   - spec missing from the first chunk, or repeated later                  INVALID_ARGUMENT
 //   - bad name, sizes out of range, non-float dtype, bad transform           INVALID_ARGUMENT
 //   - weight + bias bytes over ServiceOptions::max_head_bytes                RESOURCE_EXHAUSTED
+//   - an explicit spec.version above kMaxExplicitVersion                     INVALID_ARGUMENT
 //   - an explicit spec.version not above the current version                 FAILED_PRECONDITION
 //   - more weight / bias bytes than the spec declares, bias before the whole
 //     weight, bias bytes without spec.has_bias                               INVALID_ARGUMENT
@@ -61,6 +62,10 @@ using kernels::FloatType;
 
 // Held from the version decision to the store update of every upload (see the file comment).
 ABSL_CONST_INIT absl::Mutex install_mu(absl::kConstInit);
+
+// The largest explicit spec.version: with versions below 2^63, "current + 1" can never reach
+// 2^64 - 1 and wrap (a head there could not be replaced until restart).
+constexpr uint64_t kMaxExplicitVersion = (uint64_t{1} << 63) - 1;
 
 // A transform field of HeadSpec: 0 (proto3's unset) means `none`; anything else is kept for
 // ValidateHeadTransform to judge (negative, NaN and inf are rejected there).
@@ -191,6 +196,11 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
     }
     // An explicit version that cannot win is refused before the upload (and again at install,
     // in case another upload got there first).
+    if (spec.version() > kMaxExplicitVersion) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.version: ", spec.version(), " is above the largest version an upload may set (",
+          kMaxExplicitVersion, " = 2^63 - 1, so that current + 1 never wraps)"));
+    }
     if (spec.version() != 0) {
       if (absl::Status s = CheckExplicitVersion(spec.name(), spec.version()); !s.ok()) return s;
     }
@@ -295,6 +305,10 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
       }
       head_->version = requested_version_;
     } else {
+      if (current != nullptr && current->weights().version == UINT64_MAX) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "spec.version: head \"", head_->name, "\" is at the largest version ", UINT64_MAX));
+      }
       head_->version = current == nullptr ? 1 : current->weights().version + 1;
     }
     if (context_->IsCancelled()) {

@@ -4,9 +4,11 @@
 // report SERVING and print `logitserve listening on HOST:PORT` (one line on stdout, flushed) so
 // scripts and tests learn the port. Any start-up error is logged and exits non-zero before the
 // server listens. SIGTERM / SIGINT: NOT_SERVING, refuse new work, drain in-flight calls within
-// --drain-timeout, exit 0. A fatal device error (Backend::Health): NOT_SERVING, in-flight work
-// fails with UNAVAILABLE, exit 3 so the orchestrator restarts the process. Logs go to stderr;
-// stdout carries only the `logitserve metrics on` and `logitserve listening on` lines.
+// --drain-timeout, exit 0 (exit 4 when the deadline cut in-flight work off, or a second signal
+// ended the drain); while heads load, a signal exits 0 at once (shutdown_signals.h). A fatal
+// device error (Backend::Health): NOT_SERVING, in-flight work fails with UNAVAILABLE, exit 3 so
+// the orchestrator restarts the process. Logs go to stderr; stdout carries only the
+// `logitserve metrics on` and `logitserve listening on` lines.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -22,9 +24,12 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/backend/backend.h"
 #include "server/backend/fault_injection.h"
 #if LOGITSERVE_HAVE_CUDA
@@ -36,6 +41,7 @@
 #include "server/service/metrics.h"
 #include "server/service/service.h"
 #include "server/service/shm_registry.h"
+#include "server/service/shutdown_signals.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -48,6 +54,8 @@ constexpr int64_t kDefaultMaxReceiveBytes = int64_t{576} << 20;
 constexpr int kExitStartupError = 1;
 constexpr int kExitNoCuda = 2;
 constexpr int kExitDeviceFault = 3;
+// In-flight work was abandoned: the drain deadline passed, or a second signal ended the drain.
+constexpr int kExitWorkAbandoned = ShutdownSignals::kExitForced;
 constexpr const char* kServiceName = "logitserve.v1.Scorer";
 
 struct Flags {
@@ -64,6 +72,7 @@ struct Flags {
   int64_t max_queue_delay_us = 0;
   int64_t memory_budget_bytes = int64_t{4} << 30;
   int64_t max_head_bytes = int64_t{16} << 30;
+  int64_t stream_window_bytes = int64_t{64} << 20;
   std::string test_fault;
   double collective_timeout_s = 60.0;
   int max_top_k = 64;
@@ -122,9 +131,17 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   app.add_option("--memory-budget-bytes", f.memory_budget_bytes,
-                 "Host bytes (request inputs and outputs) admitted at once; a request over the "
-                 "remaining budget is RESOURCE_EXHAUSTED at admission (0 = unlimited)")
+                 "Host bytes admitted at once: every byte a request makes the server hold (its "
+                 "message, inputs, per-token and per-sequence outputs) plus ScoreStream "
+                 "responses not yet sent; a request over the remaining budget is "
+                 "RESOURCE_EXHAUSTED at admission (0 = unlimited)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--stream-window-bytes", f.stream_window_bytes,
+                 "ScoreStream: bytes one stream may hold in requests in flight plus responses "
+                 "its client has not received yet; past it the stream stops reading (and so "
+                 "computing) until the client catches up")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option("--max-head-bytes", f.max_head_bytes,
                  "Largest LoadHead upload (weight + bias bytes); more is RESOURCE_EXHAUSTED")
@@ -132,7 +149,8 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->capture_default_str();
   app.add_option("--test-fault", f.test_fault,
                  "TESTS ONLY: inject a fault: fatal-after:N (the backend fails fatally after N "
-                 "jobs), slow-tile:MS (sleep before every row tile); CUDA only: "
+                 "jobs), slow-tile:MS (sleep before every row tile), slow-load:MS (sleep before "
+                 "loading each head); CUDA only: "
                  "skip-collective:RANK, stall:RANK, sticky-error:RANK (a real device fault)");
   app.add_option("--collective-timeout-s", f.collective_timeout_s,
                  "CUDA: a GPU wait or NCCL collective taking longer than this is a fatal device "
@@ -184,6 +202,9 @@ struct ServingFlags {
   int keepalive_timeout_ms = 20000;
   int keepalive_min_ping_interval_ms = 10000;
   int handshake_timeout_ms = 20000;
+  // gRPC's own memory (connections, frames, messages being received): 0 = twice the largest
+  // request message plus 256 MiB.
+  int64_t grpc_memory_quota_bytes = 0;
 };
 
 void AddServingFlags(CLI::App& app, ServingFlags& f) {
@@ -220,6 +241,12 @@ void AddServingFlags(CLI::App& app, ServingFlags& f) {
                  "Shortest interval between client keepalive pings allowed (also without calls); "
                  "clients pinging more often are disconnected (GOAWAY too_many_pings)")
       ->check(CLI::Range(1, INT32_MAX))
+      ->capture_default_str();
+  app.add_option("--grpc-memory-quota-bytes", f.grpc_memory_quota_bytes,
+                 "Memory gRPC may use for connections and messages being received, before any "
+                 "authentication (grpc::ResourceQuota; past it gRPC shrinks windows and cancels "
+                 "streams); 0 = 2 x --max-receive-message-bytes + 256 MiB")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option("--handshake-timeout-ms", f.handshake_timeout_ms,
                  "Close a connection that has not finished its HTTP/2 (and TLS) handshake by then")
@@ -268,10 +295,22 @@ void AddGaugeSources(const Backend* backend, const HeadStore* heads, Metrics& me
   });
 }
 
+// --test-fault slow-load:MS: the start-up delay before each head, for the tests of signals during
+// start-up; zero otherwise.
+constexpr char kSlowLoadFault[] = "slow-load:";
+std::chrono::milliseconds SlowLoadDelay(const std::string& test_fault) {
+  int ms = 0;
+  if (test_fault.rfind(kSlowLoadFault, 0) != 0) return std::chrono::milliseconds(0);
+  if (!absl::SimpleAtoi(test_fault.substr(sizeof(kSlowLoadFault) - 1), &ms) || ms < 0) ms = 0;
+  return std::chrono::milliseconds(ms);
+}
+
 // Loads every head named by the flags, prepares it on the backend and adds it to the store.
 absl::Status LoadHeads(const Flags& flags, Backend& backend, HeadStore& store) {
   std::vector<std::shared_ptr<HeadWeights>> loaded;
+  const std::chrono::milliseconds delay = SlowLoadDelay(flags.test_fault);
   for (const std::string& spec : flags.synthetic_heads) {
+    std::this_thread::sleep_for(delay);
     // The loader's messages already quote the flag and name the problem.
     absl::StatusOr<SyntheticHeadSpec> parsed = ParseSyntheticHeadSpec(spec);
     if (!parsed.ok()) return parsed.status();
@@ -379,12 +418,8 @@ std::string HostOf(const std::string& listen) {
 
 int Run(int argc, char** argv) {
   // Block the shutdown signals before any thread exists, so every thread inherits the mask and
-  // only the sigwait below ever sees them (no work in a signal handler).
-  sigset_t shutdown_signals;
-  sigemptyset(&shutdown_signals);
-  sigaddset(&shutdown_signals, SIGTERM);
-  sigaddset(&shutdown_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &shutdown_signals, nullptr);
+  // only the watcher's sigwait ever sees them (no work in a signal handler).
+  ShutdownSignals::Block();
 
   CLI::App app{
       "logitserve: exact full-vocabulary log-probabilities, entropy, KL and JSD over "
@@ -402,6 +437,8 @@ int Run(int argc, char** argv) {
   auto logger = spdlog::stderr_color_mt("logitserve");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
+  ShutdownSignals signals;  // from here on, a signal ends the start-up at once
+  signals.Start();
 
   // TLS and token files first: a bad file fails in milliseconds, before heads are loaded.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -417,6 +454,11 @@ int Run(int argc, char** argv) {
     return kExitStartupError;
   }
   if (!(*authorizer)->enabled()) spdlog::warn("no --auth-token-file: every RPC is open");
+  if ((*authorizer)->enabled() && !serving.tls_cert.empty()) {
+    // Tokens are checked on the initial metadata, before gRPC reads a request (TLS only: gRPC
+    // has no such hook for plaintext ports, where the handlers' check after the read remains).
+    (*credentials)->SetAuthMetadataProcessor(MakeTokenAuthProcessor(authorizer->get()));
+  }
   Metrics metrics;  // outlives the service and the metrics HTTP server (declared before both)
 
   if (flags.heads.empty() && flags.synthetic_heads.empty()) {
@@ -436,7 +478,8 @@ int Run(int argc, char** argv) {
     spdlog::error("--test-fault {} needs the CUDA backend", flags.test_fault);
     return kExitStartupError;
   }
-  if (!flags.test_fault.empty() && !IsCudaTestFault(flags.test_fault)) {
+  if (!flags.test_fault.empty() && !IsCudaTestFault(flags.test_fault) &&
+      SlowLoadDelay(flags.test_fault).count() == 0) {
     spdlog::warn("--test-fault {}: injecting faults (tests only)", flags.test_fault);
     backend = WrapWithTestFault(*std::move(backend), flags.test_fault);
     if (!backend.ok()) {
@@ -457,6 +500,7 @@ int Run(int argc, char** argv) {
   options.limits.max_target_ids_per_row = flags.max_target_ids_per_row;
   options.max_receive_message_bytes = flags.max_receive_message_bytes;
   options.max_head_bytes = flags.max_head_bytes;
+  options.stream_window_bytes = flags.stream_window_bytes;
   options.scheduler.workers = flags.workers;
   options.scheduler.queue_size = static_cast<size_t>(flags.queue_size);
   options.scheduler.max_batch_tokens = flags.max_batch_tokens;
@@ -470,6 +514,16 @@ int Run(int argc, char** argv) {
   SharedMemoryRegistry shared_memory(flags.max_shared_memory_regions);  // outlives the service
   options.shared_memory = &shared_memory;
   AddGaugeSources(backend->get(), &heads, metrics);
+  // Before the metrics endpoint, so scrapes (which read it) stop before the service goes away.
+  ScorerService service(backend->get(), &heads, options);
+  metrics.AddGaugeSource(
+      "logitserve_memory_admitted_bytes",
+      "Bytes counted against --memory-budget-bytes: requests in flight and unsent stream "
+      "responses.",
+      [&service] {
+        return std::vector<Metrics::LabeledValue>{
+            {{}, static_cast<double>(service.admitted_bytes())}};
+      });
   std::unique_ptr<MetricsHttpServer> metrics_http;  // stopped before heads / backend go away
   if (!serving.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
@@ -480,19 +534,29 @@ int Run(int argc, char** argv) {
     }
     metrics_http = *std::move(started);
   }
-  ScorerService service(backend->get(), &heads, options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, *credentials, &port);
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and take a
+  // share of the new connections (clients silently scored by other weights). One server per port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   ApplyConnectionLimits(serving, builder);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_receive_message_bytes));
+  // What gRPC itself may hold (before any token is checked: unary messages arrive whole first).
+  const int64_t quota_bytes = serving.grpc_memory_quota_bytes > 0
+                                  ? serving.grpc_memory_quota_bytes
+                                  : 2 * flags.max_receive_message_bytes + (int64_t{256} << 20);
+  grpc::ResourceQuota quota("logitserve");
+  quota.Resize(static_cast<size_t>(quota_bytes));
+  builder.SetResourceQuota(quota);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    spdlog::error("cannot listen on {}", flags.listen);
+    spdlog::error("cannot listen on {} (address in use by another server, or not local?)",
+                  flags.listen);
     return kExitStartupError;
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -505,16 +569,20 @@ int Run(int argc, char** argv) {
     std::printf("logitserve metrics on %s:%d\n", HostOf(serving.metrics_listen).c_str(),
                 metrics_http->port());
   }
+  signals.MarkServing();  // from here on, the first signal drains
+  // A second signal abandons in-flight work (exit 4) only if there is some; forgotten before the
+  // service goes away.
+  signals.SetWorkInFlight([&service] { return service.in_flight(); });
+  absl::Cleanup forget_service = [&signals] { signals.SetWorkInFlight(nullptr); };
   std::printf("logitserve listening on %s\n", address.c_str());
   std::fflush(stdout);
 
   // Wait for SIGTERM / SIGINT (drain, exit 0) or a fatal device error (exit kExitDeviceFault).
   int signal_number = 0;
   absl::Status fatal_status;
-  const timespec poll_interval{0, 100'000'000};
+  const absl::Duration poll_interval = absl::Milliseconds(100);
   while (true) {
-    siginfo_t info;
-    signal_number = sigtimedwait(&shutdown_signals, &info, &poll_interval);
+    signal_number = signals.Wait(poll_interval);
     if (signal_number > 0) break;
     fatal_status = fatal.status();
     if (!fatal_status.ok()) break;
@@ -543,13 +611,18 @@ int Run(int argc, char** argv) {
   while (service.in_flight() > 0 && std::chrono::system_clock::now() < drain_deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  const int64_t abandoned = service.in_flight();
+  if (abandoned > 0) {
+    spdlog::error("drain deadline ({} s) passed with {} request(s) in flight; cancelling them",
+                  flags.drain_seconds, abandoned);
+  }
   spdlog::debug("shutting the server down");
   server->Shutdown(drain_deadline);
   spdlog::debug("server shut down; stopping workers");
   service.StopWorkers();
   server->Wait();
   spdlog::info("stopped");
-  return 0;
+  return abandoned > 0 ? kExitWorkAbandoned : 0;
 }
 
 }  // namespace

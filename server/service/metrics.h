@@ -135,9 +135,10 @@ class Metrics {
 // The canonical name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...; "CODE_<n>" otherwise).
 absl::string_view GrpcCodeName(grpc::StatusCode code);
 
-// Serves GET /metrics (Content-Type text/plain; version=0.0.4) from `metrics` with cpp-httplib on
-// its own threads; any other path is 404. Thread safety: Start and the destructor from one
-// thread; port() from any thread.
+// Serves GET /metrics (Content-Type text/plain; version=0.0.4) from `metrics` on one thread of
+// its own that multiplexes every connection (metrics_http.cc: slow or idle clients never block a
+// scrape); any other path is 404. Thread safety: Start and the destructor from one thread; port()
+// from any thread.
 class MetricsHttpServer {
  public:
   // Binds `host_port` ("HOST:PORT", "[::1]:PORT"; port 0 picks a free port) and starts serving.

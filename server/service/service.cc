@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/wire/dtype.h"
+#include "server/service/client_text.h"
+#include "server/service/held_bytes.h"
 #include "server/service/metrics.h"
 #include "server/service/sequence_sums.h"
 #include "server/service/shm_registry.h"
@@ -119,11 +121,11 @@ void ScorerService::RecordRequest(const char* method, const grpc::Status& status
   if (options_.metrics != nullptr) options_.metrics->RecordRequest(method, status.error_code());
 }
 
-void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
-                           Completion done) {
+int64_t ScorerService::Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
+                              Completion done) {
   if (draining_.load()) {
-    done(absl::UnavailableError("server is shutting down"), {}, {}, {}, {});
-    return;
+    done(absl::UnavailableError("server is shutting down"), {}, {}, {}, {}, 0);
+    return 0;
   }
   // Leases on the shared-memory regions the request's tensors name: they keep the regions mapped
   // (and their Unregister calls waiting) until the job is done.
@@ -143,20 +145,23 @@ void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Score
         return r->bytes;
       });
   if (!validated.ok()) {
-    spdlog::debug("Score request '{}' rejected: {}", request.request_id(),
+    spdlog::debug("Score request '{}' rejected: {}", QuoteClientText(request.request_id()),
                   validated.status().ToString());
-    done(validated.status(), {}, {}, {}, {});
-    return;
+    done(validated.status(), {}, {}, {}, {}, 0);
+    return 0;
   }
+  const int64_t extra_bytes = ExtraHeldBytes(request, *validated);
   // The job moves into the scheduler's item (which hands it back to `done`); the rest of the
   // validated request (sequence lengths, versions) travels with the completion.
   Scheduler::Item item;
   item.job = std::move(validated->job);
+  item.extra_bytes = extra_bytes;
+  const int64_t bytes = Scheduler::ItemBytes(item);
   auto state = std::make_shared<ValidatedRequest>(*std::move(validated));
   item.stop = [context] { return StopStatus(context); };
   item.precheck = CheckHiddenStatesFinite;
   Metrics* metrics = options_.metrics;
-  item.done = [state, done, metrics, leases, id = request.request_id()](
+  item.done = [state, done, metrics, leases, bytes, id = QuoteClientText(request.request_id())](
                   absl::Status status, ScoreResult result, const ScoreJob& job,
                   const Scheduler::Timing& timing) {
     if (status.ok()) status = CheckResultShape(job, result);
@@ -176,14 +181,16 @@ void ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Score
         spdlog::error("Score request '{}' failed: {}", id, status.ToString());
       }
     }
-    done(std::move(status), result, job, *state, timing);
+    done(std::move(status), result, job, *state, timing, bytes);
   };
   if (metrics != nullptr) metrics->AddInFlight(1);
   absl::Status admitted = scheduler_.Submit(std::move(item));
   if (!admitted.ok()) {
     if (metrics != nullptr) metrics->AddInFlight(-1);
-    done(admitted, {}, {}, {}, {});
+    done(admitted, {}, {}, {}, {}, 0);
+    return 0;
   }
+  return bytes;
 }
 
 void ScorerService::FillResponse(const v1::ScoreRequest& request, const ScoreJob& job,
@@ -226,18 +233,27 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
   Submit(context, *request,
          [request, response, finish](absl::Status status, const ScoreResult& result,
                                      const ScoreJob& job, const ValidatedRequest& validated,
-                                     const Scheduler::Timing& timing) {
+                                     const Scheduler::Timing& timing, int64_t /*admitted_bytes*/) {
            if (status.ok()) FillResponse(*request, job, validated, result, timing, response);
            finish(ToGrpcStatus(status));
          });
   return reactor;
 }
 
-// One ScoreStream call. Reads requests one at a time (up to kMaxInFlightPerStream computing),
-// writes responses in completion order, one write at a time, and finishes once the client has
-// half-closed and every request is answered. gRPC methods (StartRead, StartWrite, Finish) are
-// called outside mu_; the reactor deletes itself in OnDone, which gRPC calls after Finish, and
-// Finish is only called when no scheduler work of the stream remains.
+// One ScoreStream call. Reads requests one at a time, writes responses in completion order, one
+// write at a time, and finishes once the client has half-closed and every request is answered.
+//
+// Back-pressure: the next request is read only while fewer than kMaxInFlightPerStream requests
+// are computing or answered-but-unsent, and while the stream's window (the admitted bytes of its
+// requests in flight plus the bytes of its unsent responses) is below
+// ServiceOptions::stream_window_bytes. A client that stops reading (HTTP/2 window 0) thus stops
+// the stream from reading and computing: it holds at most the window plus one request's bytes.
+// Unsent responses also count against the server's memory budget (Scheduler::AddHeldBytes) until
+// written or dropped.
+//
+// gRPC methods (StartRead, StartWrite, Finish) are called outside mu_; the reactor deletes itself
+// in OnDone, which gRPC calls after Finish, and Finish is only called when no scheduler work of
+// the stream remains.
 class ScorerService::StreamReactor final
     : public grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse> {
  public:
@@ -252,6 +268,12 @@ class ScorerService::StreamReactor final
     }
     reading_ = std::make_unique<v1::ScoreRequest>();
     StartRead(reading_.get());
+  }
+
+  ~StreamReactor() override {
+    // Responses never written (the call ended first) stop counting against the budget.
+    absl::MutexLock lock(&mu_);
+    ReleaseUnsentLocked(unsent_bytes_);
   }
 
   void OnReadDone(bool ok) override {
@@ -270,28 +292,30 @@ class ScorerService::StreamReactor final
       absl::MutexLock lock(&mu_);
       ++in_flight_;
     }
-    service_->Submit(context_, *request,
-                     [this, request](absl::Status status, const ScoreResult& result,
-                                     const ScoreJob& job, const ValidatedRequest& validated,
-                                     const Scheduler::Timing& timing) {
-                       auto response = std::make_unique<v1::ScoreResponse>();
-                       if (status.ok()) {
-                         FillResponse(*request, job, validated, result, timing, response.get());
-                       } else {
-                         response->set_request_id(request->request_id());
-                         response->set_status_code(static_cast<int32_t>(status.code()));
-                         response->set_status_message(std::string(status.message()));
-                       }
-                       service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
-                       Completed(std::move(response));
-                     });
+    const int64_t admitted =
+        service_->Submit(context_, *request,
+                         [this, request](absl::Status status, const ScoreResult& result,
+                                         const ScoreJob& job, const ValidatedRequest& validated,
+                                         const Scheduler::Timing& timing, int64_t admitted_bytes) {
+                           auto response = std::make_unique<v1::ScoreResponse>();
+                           if (status.ok()) {
+                             FillResponse(*request, job, validated, result, timing, response.get());
+                           } else {
+                             response->set_request_id(request->request_id());
+                             response->set_status_code(static_cast<int32_t>(status.code()));
+                             response->set_status_message(CapMessage(status.message()));
+                           }
+                           service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
+                           Completed(std::move(response), admitted_bytes);
+                         });
     Actions a;
     {
       absl::MutexLock lock(&mu_);
-      if (in_flight_ < kMaxInFlightPerStream) {
+      window_bytes_ += admitted;
+      if (CanReadLocked()) {
         a.read = true;
       } else {
-        read_paused_ = true;  // resumed by the next completion
+        read_paused_ = true;  // resumed by a completion or a finished write
       }
     }
     Run(a);
@@ -301,12 +325,15 @@ class ScorerService::StreamReactor final
     Actions a;
     {
       absl::MutexLock lock(&mu_);
+      ReleaseUnsentLocked(writing_bytes_);
       writing_.reset();
+      writing_bytes_ = 0;
       if (!ok) {  // the client is gone: nothing more can be written
         broken_ = true;
-        pending_.clear();
+        DropPendingLocked();
       }
       a = NextActionsLocked();
+      a.read = ResumeReadLocked();
     }
     Run(a);
   }
@@ -320,33 +347,75 @@ class ScorerService::StreamReactor final
     v1::ScoreResponse* write = nullptr;
     bool finish = false;
   };
+  struct Unsent {
+    std::unique_ptr<v1::ScoreResponse> response;
+    int64_t bytes = 0;
+  };
 
-  void Completed(std::unique_ptr<v1::ScoreResponse> response) {
+  // Runs on a scheduler worker from the request's `done` (or inline when it was refused), before
+  // the scheduler releases the request's own bytes: the response's bytes are handed over.
+  void Completed(std::unique_ptr<v1::ScoreResponse> response, int64_t admitted_bytes) {
     Actions a;
     {
       absl::MutexLock lock(&mu_);
       --in_flight_;
-      if (!broken_) pending_.push_back(std::move(response));
-      if (read_paused_ && !reads_done_) {
-        read_paused_ = false;
-        a.read = true;
+      // Submit may not have returned yet (a fast completion): its bytes are subtracted here and
+      // added there, so the window is right once both ran.
+      window_bytes_ -= admitted_bytes;
+      if (!broken_) {
+        const int64_t bytes = static_cast<int64_t>(response->ByteSizeLong());
+        unsent_bytes_ += bytes;
+        window_bytes_ += bytes;
+        service_->scheduler_.AddHeldBytes(bytes);
+        pending_.push_back(Unsent{std::move(response), bytes});
       }
       Actions next = NextActionsLocked();
       a.write = next.write;
       a.finish = next.finish;
+      a.read = ResumeReadLocked();
     }
     Run(a);
   }
 
+  bool CanReadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t unsent = static_cast<int64_t>(pending_.size()) + (writing_ != nullptr ? 1 : 0);
+    return !reads_done_ && !broken_ && in_flight_ + unsent < kMaxInFlightPerStream &&
+           window_bytes_ < service_->options_.stream_window_bytes;
+  }
+
+  // Whether a paused read may start now (then it is no longer paused).
+  bool ResumeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!read_paused_ || !CanReadLocked()) return false;
+    read_paused_ = false;
+    return true;
+  }
+
+  void ReleaseUnsentLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (bytes == 0) return;
+    unsent_bytes_ -= bytes;
+    window_bytes_ -= bytes;
+    service_->scheduler_.AddHeldBytes(-bytes);
+  }
+
+  void DropPendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const Unsent& u : pending_) ReleaseUnsentLocked(u.bytes);
+    pending_.clear();
+  }
+
   Actions NextActionsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Actions a;
+    if (broken_ && read_paused_) {
+      // No read is outstanding and none will start: the stream has read its last message.
+      read_paused_ = false;
+      reads_done_ = true;
+    }
     if (writing_ == nullptr && !pending_.empty()) {
-      writing_ = std::move(pending_.front());
+      writing_ = std::move(pending_.front().response);
+      writing_bytes_ = pending_.front().bytes;
       pending_.pop_front();
       a.write = writing_.get();
     }
-    if (!finished_ && reads_done_ && in_flight_ == 0 && writing_ == nullptr &&
-        pending_.empty()) {
+    if (!finished_ && reads_done_ && in_flight_ == 0 && writing_ == nullptr && pending_.empty()) {
       finished_ = true;
       a.finish = true;
     }
@@ -370,16 +439,22 @@ class ScorerService::StreamReactor final
   ScorerService* const service_;
   grpc::CallbackServerContext* const context_;
   CallStateCount calls_;
-  // Only touched by StartRead and OnReadDone, which gRPC never runs concurrently.
+  // Only touched by StartRead and OnReadDone, which gRPC never runs concurrently, and by Run
+  // when it resumes a paused read (no read is outstanding then).
   std::unique_ptr<v1::ScoreRequest> reading_;
   absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool read_paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_paused_ ABSL_GUARDED_BY(mu_) = false;  // true: no read outstanding
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // Admitted bytes of requests in flight plus bytes of unsent responses.
+  int64_t window_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of unsent responses (pending_ and writing_), held against the memory budget.
+  int64_t unsent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<v1::ScoreResponse> writing_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::unique_ptr<v1::ScoreResponse>> pending_ ABSL_GUARDED_BY(mu_);
+  int64_t writing_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<Unsent> pending_ ABSL_GUARDED_BY(mu_);
 };
 
 grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScorerService::ScoreStream(
@@ -387,8 +462,7 @@ grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScorerService::Sco
   return new StreamReactor(this, context);
 }
 
-void ScorerService::FillHeadInfo(const HeadWeights& w, const Backend& backend,
-                                 v1::HeadInfo* info) {
+void ScorerService::FillHeadInfo(const HeadWeights& w, const Backend& backend, v1::HeadInfo* info) {
   info->set_name(w.name);
   info->set_vocab_size(w.vocab_size);
   info->set_hidden_size(w.hidden_size);

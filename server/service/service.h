@@ -6,11 +6,12 @@
 // queue or memory budget is full). A scheduler worker scans the hidden states for NaN / +-inf
 // (CheckHiddenStatesFinite), runs the (possibly co-batched) backend job and finishes the call. The
 // request stays alive until its result is written, so the job's views into its bytes stay valid
-// (zero copy for requests computed alone). Cancellation and deadlines are checked before launch
-// and before every row tile. ScoreStream keeps up to kMaxInFlightPerStream requests of one stream
-// in flight and answers each with its request_id (a failed request carries status_code /
-// status_message; the stream stays open). ListHeads answers inline; LoadHead (load_head.cc)
-// uploads a head version.
+// (zero copy for requests computed alone). Admission counts every byte a request makes the server
+// hold (held_bytes.h). Cancellation and deadlines are checked before launch and before every row
+// tile. ScoreStream keeps up to kMaxInFlightPerStream requests of one stream in flight or unsent,
+// within ServiceOptions::stream_window_bytes, and answers each with its request_id (a failed
+// request carries status_code / status_message; the stream stays open). ListHeads answers inline;
+// LoadHead (load_head.cc) uploads a head version.
 //
 // Thread safety: the RPC methods are called concurrently by gRPC. Shutdown: StartDraining (new
 // calls and stream messages get UNAVAILABLE), wait for in_flight() to reach 0 (bounded by the
@@ -49,6 +50,9 @@ struct ServiceOptions {
   // Shared-memory regions tensors may name (nullptr = none: such tensors and the
   // (Un)RegisterSharedMemory RPCs fail); must outlive the service.
   SharedMemoryRegistry* shared_memory = nullptr;
+  // ScoreStream: bytes one stream may hold in requests in flight plus responses the client has
+  // not received yet before it stops reading (StreamReactor).
+  int64_t stream_window_bytes = int64_t{64} << 20;
   // LoadHead: largest upload (weight + bias bytes) accepted.
   int64_t max_head_bytes = int64_t{16} << 30;
   // Called once (from a scheduler worker) when the backend reports a fatal device error; the
@@ -86,28 +90,32 @@ class ScorerService final : public v1::Scorer::CallbackService {
   void StopWorkers();
   // Requests admitted and not yet answered (queued or computing).
   int64_t in_flight() const { return scheduler_.in_flight(); }
+  // Bytes counted against the memory budget: admitted requests and unsent stream responses.
+  int64_t admitted_bytes() const { return scheduler_.bytes_in_flight(); }
 
   // The description of a head that ListHeads and LoadHead return.
-  static void FillHeadInfo(const HeadWeights& weights, const Backend& backend,
-                           v1::HeadInfo* info);
+  static void FillHeadInfo(const HeadWeights& weights, const Backend& backend, v1::HeadInfo* info);
 
-  // Requests of one ScoreStream computed at once; the stream reads no further until one is done.
+  // Requests of one ScoreStream computing or waiting to be sent; the stream reads no further
+  // until one is sent (see also ServiceOptions::stream_window_bytes).
   static constexpr int kMaxInFlightPerStream = 64;
 
  private:
   class StreamReactor;
   // What a finished request reports: the status and, when OK, the response fields.
-  // `job` and `validated` are meaningful only when `status` is OK.
+  // `job` and `validated` are meaningful only when `status` is OK. `admitted_bytes`: what Submit
+  // returned for it (0 when refused), still counted against the budget while this runs.
   using Completion = std::function<void(absl::Status status, const ScoreResult& result,
                                         const ScoreJob& job, const ValidatedRequest& validated,
-                                        const Scheduler::Timing& timing)>;
+                                        const Scheduler::Timing& timing, int64_t admitted_bytes)>;
 
   absl::Status Authorize(const grpc::CallbackServerContext& context, Role role) const;
   void RecordRequest(const char* method, const grpc::Status& status);
   // Validates `request` and submits it; `done` runs exactly once: inline when the request is
   // refused, else on a scheduler worker. `request` must stay valid until `done` has run.
-  void Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
-              Completion done);
+  // Returns the bytes admitted against the memory budget (0 when refused).
+  int64_t Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
+                 Completion done);
   // Fills a successful response (`validated` gives the sequence lengths and head versions).
   static void FillResponse(const v1::ScoreRequest& request, const ScoreJob& job,
                            const ValidatedRequest& validated, const ScoreResult& result,

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "server/service/client_text.h"
+
 namespace logitserve {
 
 namespace {
@@ -52,7 +54,7 @@ grpc::StatusCode ToGrpcCode(absl::StatusCode code) {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(ToGrpcCode(status.code()), std::string(status.message()));
+  return grpc::Status(ToGrpcCode(status.code()), CapMessage(status.message()));
 }
 
 }  // namespace logitserve

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/wire/dtype.h"
+#include "server/service/client_text.h"
 
 namespace logitserve {
 
@@ -22,9 +23,8 @@ constexpr int32_t kDefaultIgnoreIndex = -100;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
 
-std::string ShapeString(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
-}
+// Client-supplied shapes are quoted with at most kMaxQuotedDims dimensions (client_text.h).
+std::string ShapeString(const v1::Tensor& t) { return ShapePrefix(t.shape()); }
 
 enum class ElementKind { kFloat, kIndex };
 
@@ -198,7 +198,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
   }
   if (in.has_logits) {
     if (!in.head.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(names.head, ": '", in.head,
+      return absl::InvalidArgumentError(absl::StrCat(names.head, ": '", QuoteClientText(in.head),
                                                      "' must not be set with ", names.logits,
                                                      " (logits are scored without a head)"));
     }
@@ -241,18 +241,19 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
   }
   std::shared_ptr<const PreparedHead> head = heads(in.head);
   if (head == nullptr) {
-    return absl::NotFoundError(absl::StrCat(names.head, ": no head named '", in.head, "'"));
+    return absl::NotFoundError(
+        absl::StrCat(names.head, ": no head named '", QuoteClientText(in.head), "'"));
   }
   const HeadWeights& w = head->weights();
   if (in.version_pin.has_value() && *in.version_pin != w.version) {
-    return absl::FailedPreconditionError(absl::StrCat(names.version, ": pinned to ",
-                                                      *in.version_pin, ", but head '", in.head,
-                                                      "' is at version ", w.version));
+    return absl::FailedPreconditionError(
+        absl::StrCat(names.version, ": pinned to ", *in.version_pin, ", but head '",
+                     QuoteClientText(in.head), "' is at version ", w.version));
   }
   if ((*dims)[1] != w.hidden_size) {
-    return absl::InvalidArgumentError(absl::StrCat(names.hidden, ": width ", (*dims)[1],
-                                                   " != hidden size ", w.hidden_size, " of ",
-                                                   names.head, " '", in.head, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(names.hidden, ": width ", (*dims)[1], " != hidden size ", w.hidden_size,
+                     " of ", names.head, " '", QuoteClientText(in.head), "'"));
   }
   out->hidden = ViewOf(in.hidden, *checked);
   out->head = std::move(head);

@@ -325,6 +325,29 @@ TEST_F(LoadHeadE2eTest, ReplacementVersionsAndPins) {
   ScoreAndCheck(Request(static_v2, 3, 22), 2, {{kStatic.name, static_v2.Expected(2)}});
 }
 
+TEST_F(LoadHeadE2eTest, LargestVersionsCannotLockAHead) {
+  // 2^64 - 1 (and anything from 2^63) is refused; the head then still takes version 0 uploads.
+  const Upload base = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 30);
+  Install(base, 1);
+  for (uint64_t huge : {UINT64_MAX, uint64_t{1} << 63}) {
+    SCOPED_TRACE(huge);
+    Upload bad = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 31);
+    bad.spec.set_version(huge);
+    v1::HeadInfo info;
+    grpc::Status s = SendUpload(stub(), bad, &info);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat("spec.version: ", huge, " is above")));
+  }
+  // The largest allowed version, then version 0 = current + 1 still works.
+  Upload top = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 32);
+  top.spec.set_version((uint64_t{1} << 63) - 1);
+  Install(top, (uint64_t{1} << 63) - 1);
+  const Upload next = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 33);
+  Install(next, uint64_t{1} << 63);
+  ScoreAndCheck(Request(next, 3, 34), uint64_t{1} << 63,
+                {{"maxed", next.Expected(uint64_t{1} << 63)}});
+}
+
 // A failing upload: how to build its chunks from a valid upload of the "keep" head, and the
 // status it must get.
 struct BadUpload {

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -45,13 +46,17 @@ struct Child {
   int fd;  // read end of the child's stdout (and stderr when merged)
 };
 
-// Forks and execs `binary --listen 127.0.0.1:0 args...`.
+// Forks and execs `binary --listen 127.0.0.1:0 args...` (without the --listen when `args` give
+// their own).
 absl::StatusOr<Child> Spawn(const std::string& binary, const std::vector<std::string>& args,
                             bool merge_stderr) {
   if (access(binary.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("no executable logitserve at ", binary));
   }
-  std::vector<std::string> strings = {binary, "--listen", "127.0.0.1:0"};
+  std::vector<std::string> strings = {binary};
+  if (std::find(args.begin(), args.end(), "--listen") == args.end()) {
+    strings.insert(strings.end(), {"--listen", "127.0.0.1:0"});
+  }
   strings.insert(strings.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& s : strings) argv.push_back(s.data());

@@ -32,7 +32,8 @@ class ServerProcess {
   // LOGITSERVE_BINARY_DIR/server/service/logitserve.
   static std::string DefaultBinary();
 
-  // Starts `binary` (DefaultBinary() when empty) with --listen 127.0.0.1:0 and `args`.
+  // Starts `binary` (DefaultBinary() when empty) with --listen 127.0.0.1:0 (unless `args` hold
+  // their own --listen) and `args`.
   // Fails (and reaps the child) when it exits or prints nothing within `timeout`; the error
   // carries the exit status and whatever it printed.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
