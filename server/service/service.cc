@@ -255,7 +255,7 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
 // in OnDone, which gRPC calls after Finish, and Finish is only called when no scheduler work of
 // the stream remains.
 class ScorerService::StreamReactor final
-    : public grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(ScorerService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context), calls_(service->options_.metrics) {
@@ -266,8 +266,7 @@ class ScorerService::StreamReactor final
       Finish(status);
       return;
     }
-    reading_ = std::make_unique<v1::ScoreRequest>();
-    StartRead(reading_.get());
+    StartRead(&reading_);
   }
 
   ~StreamReactor() override {
@@ -287,11 +286,38 @@ class ScorerService::StreamReactor final
       Run(a);
       return;
     }
-    std::shared_ptr<const v1::ScoreRequest> request(std::move(reading_));
+    ++messages_read_;
+    auto parsed = std::make_shared<v1::ScoreRequest>();
+    const grpc::Status parse =
+        grpc::SerializationTraits<v1::ScoreRequest>::Deserialize(&reading_, parsed.get());
+    reading_.Clear();
     {
       absl::MutexLock lock(&mu_);
       ++in_flight_;
     }
+    if (!parse.ok()) {
+      // Answered like any failed request (no request_id: it could not be read); the stream goes on.
+      auto response = std::make_unique<v1::ScoreResponse>();
+      const absl::Status status = absl::InvalidArgumentError(
+          absl::StrCat("ScoreStream message ", messages_read_,
+                       " is not a valid logitserve.v1.ScoreRequest (it does not parse)"));
+      response->set_status_code(static_cast<int32_t>(status.code()));
+      response->set_status_message(std::string(status.message()));
+      service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
+      Completed(std::move(response), 0);
+      Actions a;
+      {
+        absl::MutexLock lock(&mu_);
+        if (CanReadLocked()) {
+          a.read = true;
+        } else {
+          read_paused_ = true;
+        }
+      }
+      Run(a);
+      return;
+    }
+    std::shared_ptr<const v1::ScoreRequest> request = std::move(parsed);
     const int64_t admitted =
         service_->Submit(context_, *request,
                          [this, request](absl::Status status, const ScoreResult& result,
@@ -344,17 +370,33 @@ class ScorerService::StreamReactor final
   // What to do outside the lock.
   struct Actions {
     bool read = false;
-    v1::ScoreResponse* write = nullptr;
+    grpc::ByteBuffer* write = nullptr;
     bool finish = false;
   };
   struct Unsent {
-    std::unique_ptr<v1::ScoreResponse> response;
+    std::unique_ptr<grpc::ByteBuffer> response;  // serialized
     int64_t bytes = 0;
   };
 
   // Runs on a scheduler worker from the request's `done` (or inline when it was refused), before
   // the scheduler releases the request's own bytes: the response's bytes are handed over.
   void Completed(std::unique_ptr<v1::ScoreResponse> response, int64_t admitted_bytes) {
+    // Serialized here, outside the lock: the message is freed at once, and the bytes held until
+    // the write are exactly the buffer's.
+    auto buffer = std::make_unique<grpc::ByteBuffer>();
+    bool own = false;
+    bool serialized =
+        grpc::SerializationTraits<v1::ScoreResponse>::Serialize(*response, buffer.get(), &own).ok();
+    if (!serialized) {  // over protobuf's 2 GiB message limit (only raised limits get there)
+      v1::ScoreResponse failed;
+      failed.set_request_id(response->request_id());
+      failed.set_status_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+      failed.set_status_message("the response is too large to serialize; split the request");
+      buffer = std::make_unique<grpc::ByteBuffer>();
+      serialized =
+          grpc::SerializationTraits<v1::ScoreResponse>::Serialize(failed, buffer.get(), &own).ok();
+    }
+    response.reset();
     Actions a;
     {
       absl::MutexLock lock(&mu_);
@@ -362,12 +404,12 @@ class ScorerService::StreamReactor final
       // Submit may not have returned yet (a fast completion): its bytes are subtracted here and
       // added there, so the window is right once both ran.
       window_bytes_ -= admitted_bytes;
-      if (!broken_) {
-        const int64_t bytes = static_cast<int64_t>(response->ByteSizeLong());
+      if (!broken_ && serialized) {
+        const auto bytes = static_cast<int64_t>(buffer->Length());
         unsent_bytes_ += bytes;
         window_bytes_ += bytes;
         service_->scheduler_.AddHeldBytes(bytes);
-        pending_.push_back(Unsent{std::move(response), bytes});
+        pending_.push_back(Unsent{std::move(buffer), bytes});
       }
       Actions next = NextActionsLocked();
       a.write = next.write;
@@ -423,10 +465,7 @@ class ScorerService::StreamReactor final
   }
 
   void Run(const Actions& a) {
-    if (a.read) {
-      reading_ = std::make_unique<v1::ScoreRequest>();
-      StartRead(reading_.get());
-    }
+    if (a.read) StartRead(&reading_);
     if (a.write != nullptr) StartWrite(a.write);
     if (a.finish) {
       const grpc::Status status = context_->IsCancelled()
@@ -441,7 +480,8 @@ class ScorerService::StreamReactor final
   CallStateCount calls_;
   // Only touched by StartRead and OnReadDone, which gRPC never runs concurrently, and by Run
   // when it resumes a paused read (no read is outstanding then).
-  std::unique_ptr<v1::ScoreRequest> reading_;
+  grpc::ByteBuffer reading_;
+  int64_t messages_read_ = 0;
   absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -452,12 +492,12 @@ class ScorerService::StreamReactor final
   int64_t window_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Bytes of unsent responses (pending_ and writing_), held against the memory budget.
   int64_t unsent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::unique_ptr<v1::ScoreResponse> writing_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::ByteBuffer> writing_ ABSL_GUARDED_BY(mu_);
   int64_t writing_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<Unsent> pending_ ABSL_GUARDED_BY(mu_);
 };
 
-grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScorerService::ScoreStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ScorerService::ScoreStream(
     grpc::CallbackServerContext* context) {
   return new StreamReactor(this, context);
 }

@@ -60,7 +60,15 @@ struct ServiceOptions {
   std::function<void(const absl::Status&)> on_fatal;
 };
 
-class ScorerService final : public v1::Scorer::CallbackService {
+// The generated CallbackService with ScoreStream registered raw (ByteBuffer in and out): the
+// stream's reactor parses each message itself, so an unparsable one is answered INVALID_ARGUMENT
+// and the stream goes on (gRPC's typed callback reads report a parse failure as ok = false, the
+// same as the client's half-close: the stream would end OK and drop the requests after it).
+using ScorerCallbackBase = v1::Scorer::WithCallbackMethod_Score<
+    v1::Scorer::WithRawCallbackMethod_ScoreStream<v1::Scorer::WithCallbackMethod_ListHeads<
+        v1::Scorer::WithCallbackMethod_LoadHead<v1::Scorer::Service>>>>;
+
+class ScorerService final : public ScorerCallbackBase {
  public:
   ScorerService(Backend* backend, HeadStore* heads, const ServiceOptions& options);
   ~ScorerService() override;
@@ -68,7 +76,7 @@ class ScorerService final : public v1::Scorer::CallbackService {
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
                                   const v1::ScoreRequest* request,
                                   v1::ScoreResponse* response) override;
-  grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScoreStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ScoreStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
                                       const v1::ListHeadsRequest* request,

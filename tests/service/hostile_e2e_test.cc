@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -307,10 +308,10 @@ TEST(StreamBackPressureE2eTest, ClientThatNeverReadsHoldsABoundedWindow) {
 
 // gRPC 1.51's callback server parses a unary request before any handler runs and answers one that
 // does not parse with UNIMPLEMENTED and an empty message (SPEC section 6 asks INVALID_ARGUMENT);
-// the handler never sees it. Only raw (ByteBuffer) methods would let the service parse it
-// itself; docs/operations.md records the gap. This test pins what gRPC does, so an upgrade that
-// changes it is noticed, and checks what must hold either way: the call fails alone and the
-// connection and server serve on.
+// the handler never sees it. Only a raw (ByteBuffer) method would let the service parse it
+// itself, as ScoreStream does (next test); docs/operations.md records the gap. This test pins what
+// gRPC does, so an upgrade that changes it is noticed, and checks what must hold either way: the
+// call fails alone and the connection and server serve on.
 TEST(MalformedMessageE2eTest, UnparsableRequestFailsAloneAndTheServerServesOn) {
   std::unique_ptr<ServerProcess> server = StartServer({});
   ASSERT_NE(server, nullptr);
@@ -346,6 +347,68 @@ TEST(MalformedMessageE2eTest, UnparsableRequestFailsAloneAndTheServerServesOn) {
   v1::ScoreResponse response;
   grpc::Status s = CallScore(*stub, PolicyRequest(3, 60), &response);
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// The bytes of `message`, as one gRPC message.
+grpc::ByteBuffer Buffer(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+TEST(MalformedMessageE2eTest, UnparsableStreamMessageIsAnsweredAndTheStreamGoesOn) {
+  std::unique_ptr<ServerProcess> server = StartServer({});
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub stub(Connect(server->address()));
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&context, "/logitserve.v1.Scorer/ScoreStream", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  // One operation at a time: each waits for its own completion.
+  const auto wait = [&] { return cq.Next(&tag, &ok) && ok; };
+  call->StartCall(nullptr);
+  ASSERT_TRUE(wait());
+  std::string first, third;
+  ASSERT_TRUE(PolicyRequest(2, 61, "first").SerializeToString(&first));
+  ASSERT_TRUE(PolicyRequest(3, 62, "third").SerializeToString(&third));
+  for (const std::string& bytes : {first,
+                                   std::string("\x12\x64"
+                                               "abc"),
+                                   third}) {
+    grpc::ByteBuffer b = Buffer(bytes);
+    call->Write(b, nullptr);
+    ASSERT_TRUE(wait());
+  }
+  call->WritesDone(nullptr);
+  ASSERT_TRUE(wait());
+  std::map<std::string, v1::ScoreResponse> answers;  // by request_id ("" for the bad message)
+  while (true) {
+    grpc::ByteBuffer b;
+    call->Read(&b, nullptr);
+    if (!wait()) break;
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(b.Dump(&slices).ok());
+    std::string bytes;
+    for (const grpc::Slice& x : slices)
+      bytes.append(reinterpret_cast<const char*>(x.begin()), x.size());
+    v1::ScoreResponse r;
+    ASSERT_TRUE(r.ParseFromString(bytes));
+    answers[r.request_id()] = r;
+  }
+  grpc::Status status;
+  call->Finish(&status, nullptr);
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answers.size(), 3u);
+  EXPECT_EQ(answers["first"].status_code(), 0) << answers["first"].status_message();
+  EXPECT_EQ(answers["first"].entropy_size(), 2);
+  EXPECT_EQ(answers[""].status_code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_THAT(answers[""].status_message(),
+              HasSubstr("ScoreStream message 2 is not a valid logitserve.v1.ScoreRequest"));
+  EXPECT_EQ(answers["third"].status_code(), 0) << answers["third"].status_message();
+  EXPECT_EQ(answers["third"].entropy_size(), 3);
 }
 
 // ---------------------------------------------------------------------------------------------
