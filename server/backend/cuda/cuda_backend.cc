@@ -678,10 +678,13 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
         *a, plan_.pair ? &*b : nullptr, rows, stats, m.max_blocks, local_block, stream()));
     if (c == 0) {
       cleared = true;
-      // Only the top-k counts and target logits need a defined start (every statistics record
-      // the fold reads is written by this tile's kernels); queued behind the statistics.
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+      // Only the top-k counts need a defined start: every statistics record and every target
+      // logit the fold reads is written by this tile's kernels (a target id is read from the
+      // rank whose columns hold it). Queued behind the statistics.
+      if (job_.top_k > 0) {
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(
+            cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+      }
       if (auto s = IssueUploads(); !s.ok()) return s;
     }
     if (job_.ids_per_row > 0) {
@@ -696,7 +699,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       if (auto s = record(rank_.slot_free[e], stream()); !s.ok()) return s;
     }
   }
-  if (!cleared) {  // a shard without columns
+  if (!cleared && job_.top_k > 0) {  // a shard without columns: empty lists
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
   }
@@ -852,9 +855,11 @@ absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_b
     if (auto s = IssueUploads(); !s.ok()) return s;
   }
   // Work still queued reads the request's memory and this rank's workspace: it must be done
-  // before Score returns, and the copies below (to pageable memory) would otherwise wait for it
-  // inside the driver, without a time limit.
-  if (absl::Status s = WaitIdle("job end"); !s.ok()) return s;
+  // before Score returns. The reporting rank's output copies go to pinned memory (asynchronous,
+  // queued behind that work), so one wait after them covers both; every other rank waits here.
+  if (!(copy && reports_)) {
+    if (absl::Status s = WaitIdle("job end"); !s.ok()) return s;
+  }
   if (copy && reports_) {
     // Asynchronous copies into the pinned staging (see Prepare), one wait, then host copies.
     uint8_t* io = rank_.host_io.data();
