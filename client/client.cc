@@ -116,8 +116,9 @@ Client::Client(std::string target, ClientOptions options, std::shared_ptr<grpc::
       channel_(std::move(channel)),
       scorer_(v1::Scorer::NewStub(channel_)),
       health_(grpc::health::v1::Health::NewStub(channel_)) {
+  pipeline_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel_));
   for (const std::shared_ptr<grpc::Channel>& c : pipeline_channels) {
-    pipeline_scorers_.push_back(v1::Scorer::NewStub(c));
+    pipeline_stubs_.push_back(std::make_unique<grpc::GenericStub>(c));
   }
 }
 
@@ -342,7 +343,7 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
   without_rows.clear_target_ids();
   without_rows.clear_sequence_lengths();
   // Chunk i goes on stream i % streams; each stream runs on its own thread and connection.
-  const size_t streams = std::min(plan.size(), 1 + pipeline_scorers_.size());
+  const size_t streams = std::min(plan.size(), pipeline_stubs_.size());
   std::vector<PipelineOutcome> outcomes(streams);
   // Retried as a whole on UNAVAILABLE (Score is idempotent); a failed chunk is not retried.
   std::chrono::system_clock::time_point deadline;
@@ -356,11 +357,12 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
       contexts[s] = own[s].get();
     }
     auto run = [&](size_t s) {
-      v1::Scorer::Stub& stub = s == 0 ? *scorer_ : *pipeline_scorers_[s - 1];
       const size_t count = (plan.size() - s + streams - 1) / streams;
       outcomes[s] = RunPipeline(
-          stub, *contexts[s], count,
-          [&](size_t j) { return MakeChunkRequest(request, without_rows, plan[s + j * streams]); },
+          *pipeline_stubs_[s], *contexts[s], count,
+          [&](size_t j) {
+            return ChunkBytes(request, without_rows, plan[s + j * streams], absl::StrCat(j));
+          },
           options_.pipeline_depth);
       if (outcomes[s].failed_chunk >= 0 || !outcomes[s].stream_status.ok()) {
         for (grpc::ClientContext* c : contexts) c->TryCancel();  // the other streams stop too

@@ -35,6 +35,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/status.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 
@@ -227,8 +228,9 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Scorer::Stub> scorer_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
-  // Stubs of pipeline streams 1.. (stream 0 uses scorer_), each on its own connection.
-  std::vector<std::unique_ptr<v1::Scorer::Stub>> pipeline_scorers_;
+  // Generic stubs of the pipeline streams (client/pipeline.h): stream 0 on channel_, the others
+  // each on a connection of its own.
+  std::vector<std::unique_ptr<grpc::GenericStub>> pipeline_stubs_;
 
   absl::Mutex mu_;
   std::optional<Limits> limits_ ABSL_GUARDED_BY(mu_);  // fetched once, on the first Score

@@ -1,100 +1,273 @@
 #include "client/pipeline.h"
 
+#include <array>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "client/request_split.h"
+#include "client/tensor.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/slice.h"
 
 namespace logitserve::client {
+namespace {
 
-PipelineOutcome RunPipeline(v1::Scorer::Stub& stub, grpc::ClientContext& context, size_t chunks,
-                            absl::FunctionRef<v1::ScoreRequest(size_t)> make_chunk, int depth) {
-  PipelineOutcome outcome;
-  std::vector<bool> answered(chunks, false);
-  std::vector<v1::ScoreResponse> responses(chunks);
-  std::unique_ptr<grpc::ClientReaderWriter<v1::ScoreRequest, v1::ScoreResponse>> stream =
-      stub.ScoreStream(&context);
+constexpr const char* kScoreStreamMethod = "/logitserve.v1.Scorer/ScoreStream";
+constexpr int kTensorDataField = 3;  // Tensor.data
+constexpr int kLengthDelimited = 2;  // protobuf wire type
 
-  // Shared with the writer thread.
+void AppendVarint(uint64_t v, std::string& out) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+void AppendTag(int field, std::string& out) {
+  AppendVarint((static_cast<uint64_t>(field) << 3) | kLengthDelimited, out);
+}
+
+// What a call's reactor and the thread waiting for it share. Held by both (shared_ptr), so the
+// waiter may return as soon as it sees `done`, while OnDone is still unlocking.
+struct PipelineState {
   absl::Mutex mu;
-  size_t sent = 0;      // chunks written (or being written)
-  size_t received = 0;  // responses read
-  bool stop = false;    // a chunk failed, or the stream broke: write nothing more
-  const size_t window = static_cast<size_t>(depth < 1 ? 1 : depth);
-  auto may_send = [&]() {  // REQUIRES: mu held
-    return stop || sent - received < window;
-  };
+  bool done ABSL_GUARDED_BY(mu) = false;
+  PipelineOutcome outcome ABSL_GUARDED_BY(mu);
+};
 
-  std::thread writer([&] {
-    for (size_t i = 0; i < chunks; ++i) {
-      {
-        absl::MutexLock lock(&mu, absl::Condition(&may_send));
-        if (stop) break;
-        ++sent;
-      }
-      v1::ScoreRequest chunk = make_chunk(i);
-      chunk.set_request_id(absl::StrCat(i));
-      if (!stream->Write(chunk)) break;  // the call ended (cancelled, failed): Finish says why
-    }
-    stream->WritesDone();
-  });
+// One ScoreStream call: writes the chunks one at a time (gRPC allows one outstanding write),
+// at most `depth` unanswered, and reads their responses. Deletes itself in OnDone.
+class PipelineReactor final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  PipelineReactor(std::shared_ptr<PipelineState> state, grpc::ClientContext& context, size_t chunks,
+                  absl::FunctionRef<grpc::ByteBuffer(size_t)> make_chunk, int depth)
+      : state_(std::move(state)),
+        context_(context),
+        make_chunk_(make_chunk),
+        chunks_(chunks),
+        window_(static_cast<size_t>(depth < 1 ? 1 : depth)),
+        answered_(chunks, false),
+        responses_(chunks) {}
 
-  v1::ScoreResponse response;
-  size_t done = 0;
-  while (done < chunks && stream->Read(&response)) {
-    size_t index = 0;
-    if (!absl::SimpleAtoi(response.request_id(), &index) || index >= chunks || answered[index]) {
-      outcome.failed_chunk = 0;
-      outcome.chunk_error = absl::InternalError(absl::StrCat(
-          "ScoreStream answered an unknown chunk request_id '", response.request_id(), "'"));
-      break;
-    }
-    answered[index] = true;
-    ++done;
-    if (response.status_code() != 0) {
-      const int code = response.status_code();
-      outcome.failed_chunk = static_cast<int64_t>(index);
-      outcome.chunk_error =
-          absl::Status(code >= 1 && code <= 16 ? static_cast<absl::StatusCode>(code)
-                                               : absl::StatusCode::kUnknown,
-                       response.status_message());
-      break;
-    }
-    responses[index] = std::move(response);
-    response = v1::ScoreResponse();
-    absl::MutexLock lock(&mu);
-    ++received;
-  }
-  if (done < chunks) {
-    // A failed chunk (or a broken stream): the server drops the chunks still queued, and the
-    // writer stops (a pending Write returns false once the call is cancelled).
+  // Starts the call; OnDone fills state->outcome and sets state->done.
+  void Start(grpc::GenericStub& stub) {
+    stub.PrepareBidiStreamingCall(&context_, kScoreStreamMethod, grpc::StubOptions(), this);
+    bool write;
     {
-      absl::MutexLock lock(&mu);
-      stop = true;
+      absl::MutexLock lock(&mu_);
+      write = PrepareNextWriteLocked();
     }
-    context.TryCancel();
+    if (write) StartWrite(&write_buffer_);
+    StartRead(&read_buffer_);
+    StartCall();
   }
-  writer.join();
-  if (done == chunks) {
-    // Drain the (absent) rest so Finish reports the call's real status.
-    while (stream->Read(&response)) {
+
+  void OnWriteDone(bool ok) override {
+    bool write = false, writes_done = false;
+    {
+      absl::MutexLock lock(&mu_);
+      write_pending_ = false;
+      write_buffer_.Clear();
+      if (!ok) {
+        stop_ = true;  // the call is over; OnDone says why
+        return;
+      }
+      write = PrepareNextWriteLocked();
+      writes_done = WritesDoneDueLocked(write);
+    }
+    if (write) StartWrite(&write_buffer_);
+    if (writes_done) StartWritesDone();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream ended: OnDone follows
+    v1::ScoreResponse response;
+    const grpc::Status parsed =
+        grpc::SerializationTraits<v1::ScoreResponse>::Deserialize(&read_buffer_, &response);
+    bool write = false, writes_done = false, cancel = false, read = false;
+    {
+      absl::MutexLock lock(&mu_);
+      size_t index = 0;
+      if (!parsed.ok() || !absl::SimpleAtoi(response.request_id(), &index) || index >= chunks_ ||
+          answered_[index]) {
+        Fail(0, absl::InternalError(absl::StrCat("ScoreStream answered an unknown chunk '",
+                                                 response.request_id(), "'")));
+        cancel = true;
+      } else if (response.status_code() != 0) {
+        const int code = response.status_code();
+        Fail(static_cast<int64_t>(index),
+             absl::Status(code >= 1 && code <= 16 ? static_cast<absl::StatusCode>(code)
+                                                  : absl::StatusCode::kUnknown,
+                          response.status_message()));
+        cancel = true;
+      } else {
+        answered_[index] = true;
+        responses_[index] = std::move(response);
+        ++received_;
+        read = received_ < chunks_;
+        write = PrepareNextWriteLocked();
+        writes_done = WritesDoneDueLocked(write);
+      }
+    }
+    if (cancel) {
+      context_.TryCancel();  // the server drops what is queued; OnDone follows
+      return;
+    }
+    if (write) StartWrite(&write_buffer_);
+    if (writes_done) StartWritesDone();
+    if (read) StartRead(&read_buffer_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    {
+      absl::MutexLock reactor_lock(&mu_);
+      absl::MutexLock lock(&state_->mu);
+      PipelineOutcome& out = state_->outcome;
+      out.stream_status = status;
+      out.failed_chunk = failed_chunk_;
+      out.chunk_error = chunk_error_;
+      if (failed_chunk_ < 0 && status.ok()) {
+        if (received_ < chunks_) {
+          out.stream_status = grpc::Status(
+              grpc::StatusCode::INTERNAL,
+              absl::StrCat("ScoreStream ended after ", received_, " of ", chunks_, " chunks"));
+        } else {
+          out.responses = std::move(responses_);
+        }
+      }
+      state_->done = true;
+    }
+    delete this;
+  }
+
+ private:
+  // Fills write_buffer_ with the next chunk when the window allows; returns whether it did.
+  bool PrepareNextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stop_ || write_pending_ || next_ >= chunks_ || next_ - received_ >= window_) return false;
+    write_buffer_ = make_chunk_(next_);
+    ++next_;
+    write_pending_ = true;
+    return true;
+  }
+
+  // Whether to half-close now: every chunk written, none pending, not yet half-closed.
+  bool WritesDoneDueLocked(bool writing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing || write_pending_ || stop_ || next_ < chunks_ || writes_done_) return false;
+    writes_done_ = true;
+    return true;
+  }
+
+  void Fail(int64_t chunk, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    stop_ = true;
+    if (failed_chunk_ < 0) {
+      failed_chunk_ = chunk;
+      chunk_error_ = std::move(status);
     }
   }
-  outcome.stream_status = stream->Finish();
-  if (outcome.failed_chunk < 0 && outcome.stream_status.ok()) {
-    if (done < chunks) {
-      outcome.stream_status = grpc::Status(
-          grpc::StatusCode::INTERNAL,
-          absl::StrCat("ScoreStream ended after ", done, " of ", chunks, " chunk responses"));
-    } else {
-      outcome.responses = std::move(responses);
-    }
+
+  const std::shared_ptr<PipelineState> state_;
+  grpc::ClientContext& context_;
+  const absl::FunctionRef<grpc::ByteBuffer(size_t)> make_chunk_;
+  const size_t chunks_;
+  const size_t window_;
+  absl::Mutex mu_;
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;      // chunks handed to StartWrite
+  size_t received_ ABSL_GUARDED_BY(mu_) = 0;  // successful responses
+  bool write_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool writes_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<bool> answered_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ScoreResponse> responses_ ABSL_GUARDED_BY(mu_);
+  int64_t failed_chunk_ ABSL_GUARDED_BY(mu_) = -1;
+  absl::Status chunk_error_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer write_buffer_;  // one write at a time (write_pending_)
+  grpc::ByteBuffer read_buffer_;   // one read at a time
+};
+
+}  // namespace
+
+grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
+                            const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
+                            const std::string& request_id) {
+  v1::ScoreRequest header = request_without_rows;
+  header.set_request_id(request_id);
+  for (int64_t s = chunk.seq_begin; s < chunk.seq_end; ++s) {
+    header.add_sequence_lengths(request.sequence_lengths(static_cast<int>(s)));
   }
-  return outcome;
+  // ScoreRequest field numbers of the row tensors; mutable_*() only for those present (it sets
+  // the field's presence).
+  auto mutable_tensor = [&header](int field) {
+    switch (field) {
+      case 3:
+        return header.mutable_hidden();
+      case 4:
+        return header.mutable_logits();
+      case 7:
+        return header.mutable_reference_hidden();
+      case 8:
+        return header.mutable_reference_logits();
+      default:
+        return header.mutable_target_ids();
+    }
+  };
+  struct Row {
+    int field;
+    const v1::Tensor& in;
+  };
+  const std::array<Row, 5> rows = {{{3, request.hidden()},
+                                    {4, request.logits()},
+                                    {7, request.reference_hidden()},
+                                    {8, request.reference_logits()},
+                                    {10, request.target_ids()}}};
+  std::vector<std::pair<int, absl::string_view>> data;  // field, the chunk's bytes
+  for (const Row& r : rows) {
+    const bool present = r.in.shape_size() > 0 || r.in.dtype() != v1::DTYPE_UNSPECIFIED ||
+                         !r.in.data().empty() || r.in.has_shared_memory();
+    if (!present) continue;
+    v1::Tensor* out = mutable_tensor(r.field);
+    if (r.in.has_shared_memory() || r.in.data().empty()) {
+      *out = SliceRows(r.in, chunk.row_begin, chunk.row_end);  // no bytes to share
+      continue;
+    }
+    v1::Tensor shape_only;
+    shape_only.set_dtype(r.in.dtype());
+    shape_only.add_shape(chunk.rows());
+    for (int i = 1; i < r.in.shape_size(); ++i) shape_only.add_shape(r.in.shape(i));
+    *out = std::move(shape_only);
+    const int64_t row_bytes = static_cast<int64_t>(r.in.data().size()) / r.in.shape(0);
+    data.emplace_back(r.field, absl::string_view(r.in.data())
+                                   .substr(static_cast<size_t>(chunk.row_begin * row_bytes),
+                                           static_cast<size_t>(chunk.rows() * row_bytes)));
+  }
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(header.SerializeAsString());
+  for (const auto& [field, bytes] : data) {
+    std::string inner;
+    AppendTag(kTensorDataField, inner);
+    AppendVarint(bytes.size(), inner);
+    std::string prefix;
+    AppendTag(field, prefix);
+    AppendVarint(inner.size() + bytes.size(), prefix);
+    prefix += inner;
+    slices.emplace_back(std::move(prefix));
+    if (!bytes.empty()) slices.emplace_back(bytes.data(), bytes.size(), grpc::Slice::STATIC_SLICE);
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+PipelineOutcome RunPipeline(grpc::GenericStub& stub, grpc::ClientContext& context, size_t chunks,
+                            absl::FunctionRef<grpc::ByteBuffer(size_t)> make_chunk, int depth) {
+  auto state = std::make_shared<PipelineState>();
+  (new PipelineReactor(state, context, chunks, make_chunk, depth))->Start(stub);
+  absl::MutexLock lock(&state->mu);
+  state->mu.Await(absl::Condition(&state->done));
+  return std::move(state->outcome);
 }
 
 }  // namespace logitserve::client

@@ -1,14 +1,19 @@
 // The chunk pipeline behind Client::Score for large requests (issue 12 target 2): the chunks of
 // one request go over one ScoreStream call, at most `depth` of them unanswered at a time, so the
-// server computes chunk i while chunk i + 1 is on the wire and the client builds chunk i + 2. The
-// responses come back in completion order and are put back in chunk order here.
+// server computes chunk i while chunk i + 1 is on the wire. The responses come back in completion
+// order and are put back in chunk order here.
+//
+// No copies of the tensor bytes: a chunk is sent as a grpc::ByteBuffer whose large slices point
+// into the caller's request (ChunkBytes), through the generic callback API; the server parses it
+// as an ordinary ScoreRequest.
 //
 // Deadline and cancellation: the call's context (its deadline covers every chunk, as the server
 // checks it before each chunk's row tiles); on the first failed chunk the call is cancelled, so
 // the server drops the chunks still queued and no further chunk is sent.
 //
-// Thread safety: RunPipeline uses one helper thread (the writer) for the duration of the call;
-// `make_chunk` runs on it, one chunk at a time.
+// Thread safety: RunPipeline blocks the calling thread until the call is done; `make_chunk` runs
+// on gRPC's callback threads, one chunk at a time. The request behind the chunks' slices must
+// outlive the call.
 #pragma once
 
 #include <cstddef>
@@ -18,10 +23,14 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/status.h"
-#include "logitserve/v1/logitserve.grpc.pb.h"
+#include "logitserve/v1/logitserve.pb.h"
 
 namespace logitserve::client {
+
+struct RowChunk;  // client/request_split.h
 
 struct PipelineOutcome {
   // The ScoreStream call's own status (CANCELLED when a chunk failed and the call was cancelled).
@@ -33,10 +42,19 @@ struct PipelineOutcome {
   absl::Status chunk_error;
 };
 
-// Sends `chunks` requests made by make_chunk(i) (their request_id is overwritten with i) over one
-// ScoreStream on `context`, keeping at most `depth` (>= 1) unanswered. A response whose
+// The wire bytes of the chunk `chunk` of `request` with request_id `request_id`:
+// `request_without_rows` (the request with its row tensors and sequence_lengths cleared) with the
+// chunk's shapes and sequence lengths, then each row tensor's rows as one more occurrence of the
+// tensor field holding only `data` (protobuf parsers merge repeated occurrences of an embedded
+// message). The data slices point into `request`, which must outlive the buffer.
+grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
+                            const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
+                            const std::string& request_id);
+
+// Sends `chunks` chunk buffers made by make_chunk(i) (which must carry request_id i, decimal)
+// over one ScoreStream on `context`, keeping at most `depth` (>= 1) unanswered. A response whose
 // request_id names no outstanding chunk is INTERNAL.
-PipelineOutcome RunPipeline(v1::Scorer::Stub& stub, grpc::ClientContext& context, size_t chunks,
-                            absl::FunctionRef<v1::ScoreRequest(size_t)> make_chunk, int depth);
+PipelineOutcome RunPipeline(grpc::GenericStub& stub, grpc::ClientContext& context, size_t chunks,
+                            absl::FunctionRef<grpc::ByteBuffer(size_t)> make_chunk, int depth);
 
 }  // namespace logitserve::client

@@ -64,7 +64,7 @@ class SharedMemoryRegion:
     with mode 0600 (`mode` changes it: the server's user must be able to read it). close() unregisters
     (waiting for requests that read it), then unmaps and unlinks the object."""
 
-    def __init__(self, client, size, name=None, mode=None):
+    def __init__(self, client, size, name=None, mode=None, _register=True):
         from multiprocessing import shared_memory
         self._client = client
         self._shm = shared_memory.SharedMemory(create=True, size=int(size))
@@ -73,13 +73,33 @@ class SharedMemoryRegion:
         self.key = "/" + self._shm.name.lstrip("/")
         self.name = name or self._shm.name.lstrip("/")
         self.size = int(size)
-        try:
-            client.register_shared_memory(self.name, self.key, 0, self.size)
-        except BaseException:
-            self._shm.close()
-            self._shm.unlink()
-            raise
         self._closed = False
+        if _register:
+            try:
+                client.register_shared_memory(self.name, self.key, 0, self.size)
+            except BaseException:
+                self._release()
+                raise
+
+    @classmethod
+    async def create(cls, client, size, name=None, mode=None):
+        """The same for a logitserve.AsyncClient: `region = await SharedMemoryRegion.create(...)`,
+        and `await region.aclose()` (or `async with`)."""
+        region = cls(client, size, name, mode, _register=False)
+        try:
+            await client.register_shared_memory(region.name, region.key, 0, region.size)
+        except BaseException:
+            region._release()
+            raise
+        return region
+
+    def _release(self):
+        self._closed = True
+        try:
+            self._shm.close()
+        except BufferError:  # ndarray() views still alive: unmapped when they are collected
+            pass
+        self._shm.unlink()
 
     @property
     def buf(self):
@@ -115,18 +135,28 @@ class SharedMemoryRegion:
     def close(self):
         if self._closed:
             return
-        self._closed = True
         try:
             self._client.unregister_shared_memory(self.name)
         finally:
-            try:
-                self._shm.close()
-            except BufferError:  # ndarray() views still alive: unmapped when they are collected
-                pass
-            self._shm.unlink()
+            self._release()
+
+    async def aclose(self):
+        """close() for a region of an AsyncClient."""
+        if self._closed:
+            return
+        try:
+            await self._client.unregister_shared_memory(self.name)
+        finally:
+            self._release()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()

@@ -108,3 +108,22 @@ def test_close_waits_for_a_request_in_flight(heads):
         assert done["t"] - closed < 0.05, "close() returned while the request read the region"
         _same(result["r"], want)
         assert not os.path.exists("/dev/shm" + region.key)
+
+
+def test_async_client_region(server, client):
+    import asyncio
+    bits, ids = _inputs(20, seed=5)
+    want = client.score(head="policy", hidden=bits, target_ids=ids, entropy=True, top_k=3)
+
+    async def main():
+        async with logitserve.AsyncClient(server.address) as a:
+            async with await logitserve.SharedMemoryRegion.create(a, 1 << 16) as region:
+                h = region.put(bits)
+                t = region.put(ids, offset=h.end)
+                got = await a.score(head="policy", hidden=h, target_ids=t, entropy=True, top_k=3)
+                name = region.name
+            with pytest.raises(logitserve.NotFound):
+                await a.unregister_shared_memory(name)
+            return got
+
+    _same(asyncio.run(main()), want)
