@@ -20,10 +20,10 @@ using detail::DeviceSource;
 
 constexpr uint32_t kBadInput = kFlagNaN | kFlagPosInf;
 
-
 // Warp w of CTA x owns (row, block) pair x * kPairWarps + w of the grid's rows * blocks pairs,
 // blocks of a row adjacent. Returns false for the grid's spare warps (uniform per warp).
-__device__ __forceinline__ bool WarpPair(int64_t blocks, int64_t pairs, int64_t* row, int64_t* blk) {
+__device__ __forceinline__ bool WarpPair(int64_t blocks, int64_t pairs, int64_t* row,
+                                         int64_t* blk) {
   const int64_t p = static_cast<int64_t>(blockIdx.x) * detail::kPairWarps + (threadIdx.x >> 5);
   if (p >= pairs) return false;
   *row = p / blocks;
@@ -39,8 +39,9 @@ __device__ __forceinline__ uint32_t BadFlags(float m) {
 // w = sum exp(dz) dz with dz = max(z - m, kClampShift). Two accumulators a lane (even / odd e),
 // then the butterfly: the fixed order of lane_block.cuh.
 template <FloatType T>
-__device__ __forceinline__ void WarpBlockSums(const DeviceSource& src, const detail::LaneBlock<T>& b,
-                                          float m, float* s_out, float* w_out) {
+__device__ __forceinline__ void WarpBlockSums(const DeviceSource& src,
+                                              const detail::LaneBlock<T>& b, float m, float* s_out,
+                                              float* w_out) {
   float s[2] = {0.0f, 0.0f}, w[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int j = 0; j < detail::kLaneChunks; ++j) {
@@ -58,9 +59,10 @@ __device__ __forceinline__ void WarpBlockSums(const DeviceSource& src, const det
 
 // The record of one (row, block) of a single distribution, from the lane's loaded values.
 template <FloatType T>
-__device__ __forceinline__ void SingleItem(const DeviceSource& a, int64_t row, int64_t blk, int lane,
-                                           detail::LaneBlock<T>& va, PairBlockStats* stats,
-                                           int64_t stats_ld, int64_t stats_offset) {
+__device__ __forceinline__ void SingleItem(const DeviceSource& a, int64_t row, int64_t blk,
+                                           int lane, detail::LaneBlock<T>& va,
+                                           PairBlockStats* stats, int64_t stats_ld,
+                                           int64_t stats_offset) {
   const int64_t c0 = blk * kVocabBlock;
   detail::TransformInPlace(a, c0, lane, va);
   const float m = detail::WarpMaxNaN(detail::LaneMax(a, va));
@@ -314,10 +316,10 @@ void WithType(FloatType t, F&& f) {
 }
 
 template <FloatType TA, FloatType TB, bool kPair, typename Op>
-cudaError_t LaunchItems(const DeviceSource& a, const DeviceSource& b, int64_t blocks,
-                        int64_t pairs, const Op& op, cudaStream_t stream) {
-  DirectKernel<TA, TB, kPair, Op><<<PairGrid(pairs), detail::kPairThreads, 0, stream>>>(
-      a, b, blocks, pairs, op);
+cudaError_t LaunchItems(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
+                        const Op& op, cudaStream_t stream) {
+  DirectKernel<TA, TB, kPair, Op>
+      <<<PairGrid(pairs), detail::kPairThreads, 0, stream>>>(a, b, blocks, pairs, op);
   return cudaSuccess;
 }
 
@@ -381,7 +383,7 @@ cudaError_t LaunchJsdPartials(const LogitsSource& s, const LogitsSource& t, int6
   WithType(s.type, [&](auto ts) {
     WithType(t.type, [&](auto tt) {
       err = LaunchItems<decltype(ts)::value, decltype(tt)::value, true>(ds, dt, blocks, pairs, op,
-                                                                          stream);
+                                                                        stream);
     });
   });
   if (err != cudaSuccess) return err;

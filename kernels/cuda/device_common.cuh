@@ -22,7 +22,6 @@ inline constexpr float kLog2e = 1.44269504088896341f;
 __device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float PosInfF() { return __int_as_float(0x7f800000); }
 
-
 // The launch-time view of a LogitsSource.
 struct DeviceSource {
   const void* data;

@@ -1,8 +1,9 @@
 // The fold and the final formulas: one warp per row folds the gathered per-block records (the
 // sums of block_stats.h's FoldBlock / FoldPairBlock, which the CPU backend runs, re-associated so
-// that no block waits for the previous one; see FoldRowsKernel), then writes the outputs with LogProb / Entropy / KlAB / KlBA. Every rank runs the fold on
-// the same gathered bytes and therefore gets the same bits; only the rank that reports results
-// passes RowOutputs. Also the JSD finish: per row, the gathered partials summed in block order.
+// that no block waits for the previous one; see FoldRowsKernel), then writes the outputs with
+// LogProb / Entropy / KlAB / KlBA. Every rank runs the fold on the same gathered bytes and
+// therefore gets the same bits; only the rank that reports results passes RowOutputs. Also the JSD
+// finish: per row, the gathered partials summed in block order.
 #include <climits>
 
 #include "kernels/cuda/device_common.cuh"
@@ -233,9 +234,8 @@ cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0,
   if (tile.shards.ranks < 1 || tile.shards.ranks > kMaxRanks) return cudaErrorInvalidValue;
   if (outputs != nullptr && outputs->top_k > kMaxTopK) return cudaErrorInvalidValue;
   FoldRowsKernel<<<static_cast<unsigned>((rows + kFoldWarps - 1) / kFoldWarps), 32 * kFoldWarps, 0,
-                   stream>>>(
-      tile, rows, row0, folded, first_bad_row, outputs != nullptr ? *outputs : RowOutputs{},
-      outputs != nullptr);
+                   stream>>>(tile, rows, row0, folded, first_bad_row,
+                             outputs != nullptr ? *outputs : RowOutputs{}, outputs != nullptr);
   return cudaGetLastError();
 }
 

@@ -21,6 +21,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/device_common.cuh"
 
 namespace logitserve::kernels::cuda::detail {
@@ -80,63 +82,37 @@ struct LaneBlock {
     }
   }
 
-  // Minimum of the lane's 64 raw values (only used when none is NaN).
-  __device__ __forceinline__ float RawMin() const {
+  // Maximum (NaN-propagating) or minimum (only used when no value is NaN) of the lane's 64 raw
+  // values: packed bf16x2 / half2 operations for 16-bit types, one instruction per two values.
+  template <bool kMax>
+  __device__ __forceinline__ float RawExtreme() const {
     if constexpr (T == FloatType::kFloat32) {
       float m = __uint_as_float(w[0][0]);
 #pragma unroll
       for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
-        for (int k = 0; k < kWords; ++k) m = fminf(m, __uint_as_float(w[j][k]));
+        for (int k = 0; k < kWords; ++k) {
+          const float x = __uint_as_float(w[j][k]);
+          m = kMax ? MaxNaN(m, x) : fminf(m, x);
+        }
       }
       return m;
-    } else if constexpr (T == FloatType::kBFloat16) {
-      __nv_bfloat162 m = Pair<__nv_bfloat162>(0, 0);
-#pragma unroll
-      for (int j = 0; j < kLaneChunks; ++j) {
-#pragma unroll
-        for (int k = 0; k < kWords; ++k) m = __hmin2(m, Pair<__nv_bfloat162>(j, k));
-      }
-      return fminf(__low2float(m), __high2float(m));
     } else {
-      __half2 m = Pair<__half2>(0, 0);
+      using P = std::conditional_t<T == FloatType::kBFloat16, __nv_bfloat162, __half2>;
+      P m = Pair<P>(0, 0);
 #pragma unroll
       for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
-        for (int k = 0; k < kWords; ++k) m = __hmin2(m, Pair<__half2>(j, k));
+        for (int k = 0; k < kWords; ++k) {
+          m = kMax ? __hmax2_nan(m, Pair<P>(j, k)) : __hmin2(m, Pair<P>(j, k));
+        }
       }
-      return fminf(__low2float(m), __high2float(m));
+      return kMax ? MaxNaN(__low2float(m), __high2float(m))
+                  : fminf(__low2float(m), __high2float(m));
     }
   }
-
-  // NaN-propagating maximum of the lane's 64 raw values.
-  __device__ __forceinline__ float RawMax() const {
-    if constexpr (T == FloatType::kFloat32) {
-      float m = __uint_as_float(w[0][0]);
-#pragma unroll
-      for (int j = 0; j < kLaneChunks; ++j) {
-#pragma unroll
-        for (int k = 0; k < kWords; ++k) m = MaxNaN(m, __uint_as_float(w[j][k]));
-      }
-      return m;
-    } else if constexpr (T == FloatType::kBFloat16) {
-      __nv_bfloat162 m = Pair<__nv_bfloat162>(0, 0);
-#pragma unroll
-      for (int j = 0; j < kLaneChunks; ++j) {
-#pragma unroll
-        for (int k = 0; k < kWords; ++k) m = __hmax2_nan(m, Pair<__nv_bfloat162>(j, k));
-      }
-      return MaxNaN(__low2float(m), __high2float(m));
-    } else {
-      __half2 m = Pair<__half2>(0, 0);
-#pragma unroll
-      for (int j = 0; j < kLaneChunks; ++j) {
-#pragma unroll
-        for (int k = 0; k < kWords; ++k) m = __hmax2_nan(m, Pair<__half2>(j, k));
-      }
-      return MaxNaN(__low2float(m), __high2float(m));
-    }
-  }
+  __device__ __forceinline__ float RawMax() const { return RawExtreme<true>(); }
+  __device__ __forceinline__ float RawMin() const { return RawExtreme<false>(); }
 
  private:
   template <typename P>
@@ -173,15 +149,15 @@ __device__ __forceinline__ void LoadLaneBlock(const DeviceSource& s, int64_t row
 #pragma unroll
     for (int j = 0; j < kLaneChunks; ++j) {
       if constexpr (T == FloatType::kFloat32) {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const float*>(s.data) + base +
-                                                        j * 256);
+        const uint4* p =
+            reinterpret_cast<const uint4*>(static_cast<const float*>(s.data) + base + j * 256);
         const uint4 x0 = p[0];
         const uint4 x1 = p[1];
         b.w[j][0] = x0.x, b.w[j][1] = x0.y, b.w[j][2] = x0.z, b.w[j][3] = x0.w;
         b.w[j][4] = x1.x, b.w[j][5] = x1.y, b.w[j][6] = x1.z, b.w[j][7] = x1.w;
       } else {
-        const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.data) +
-                                                        base + j * 256);
+        const uint4 x =
+            *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.data) + base + j * 256);
         b.w[j][0] = x.x, b.w[j][1] = x.y, b.w[j][2] = x.z, b.w[j][3] = x.w;
       }
     }
@@ -229,9 +205,9 @@ __device__ __forceinline__ void TransformInPlace(const DeviceSource& s, int64_t 
     if (!s.t.head && s.t.temperature == 1.0f) return;
     // TransformOne, operation for operation: the -0 -> +0 fix of a head's GEMM output inline,
     // everything else in TransformTail.
-    const bool tail = (s.t.head && (s.t.bias != nullptr || s.t.scale != 1.0f ||
-                                    s.t.softcap > 0.0f)) ||
-                      s.t.temperature != 1.0f;
+    const bool tail =
+        (s.t.head && (s.t.bias != nullptr || s.t.scale != 1.0f || s.t.softcap > 0.0f)) ||
+        s.t.temperature != 1.0f;
 #pragma unroll
     for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
@@ -249,10 +225,10 @@ __device__ __forceinline__ void TransformInPlace(const DeviceSource& s, int64_t 
   }
 }
 
-// Value e of chunk j after the transform (fp32 blocks are transformed in place beforehand).
+// x after the temperature, for a 16-bit block (fp32 blocks are transformed in place beforehand;
+// for a raw maximum or minimum this is exact because x / t is monotone for t > 0).
 template <FloatType T>
-__device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T>& b, int j, int e) {
-  const float x = b.Value(j, e);
+__device__ __forceinline__ float Tempered(const DeviceSource& s, float x) {
   if constexpr (T == FloatType::kFloat32) {
     return x;
   } else {
@@ -260,26 +236,22 @@ __device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T>& b,
   }
 }
 
+// Value e of chunk j after the transform.
+template <FloatType T>
+__device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T>& b, int j, int e) {
+  return Tempered<T>(s, b.Value(j, e));
+}
+
 // The lane's maximum of the transformed values (NaN-propagating).
 template <FloatType T>
 __device__ __forceinline__ float LaneMax(const DeviceSource& s, const LaneBlock<T>& b) {
-  const float m = b.RawMax();
-  if constexpr (T == FloatType::kFloat32) {
-    return m;
-  } else {
-    return s.t.temperature == 1.0f ? m : m / s.t.temperature;
-  }
+  return Tempered<T>(s, b.RawMax());
 }
 
 // The lane's minimum of the transformed values (NaN-free blocks only).
 template <FloatType T>
 __device__ __forceinline__ float LaneMin(const DeviceSource& s, const LaneBlock<T>& b) {
-  const float m = b.RawMin();
-  if constexpr (T == FloatType::kFloat32) {
-    return m;
-  } else {
-    return s.t.temperature == 1.0f ? m : m / s.t.temperature;
-  }
+  return Tempered<T>(s, b.RawMin());
 }
 
 __device__ __forceinline__ float WarpMin(float x) {

@@ -39,12 +39,13 @@ namespace kc = kernels::cuda;
 constexpr double kU = 0x1p-24;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Block sums (s, w, cross terms) of GPU and CPU: each exp is within 2 ulp on either side (ex2.approx,
-// the instruction behind CUDA's exp2f; Highway's polynomial), i.e. <= 4 u apart per term, and the
-// sums run in different orders with dependent-add chains of <= 38 (GPU: 32 per accumulator, 64
-// values a lane in two accumulators, one add of the two, 5 butterfly steps) and <= 256 (CPU, AVX2:
-// 2048 / 8 lanes) additions. Worst case ~ 298 u; same-sign rounding errors add like a random walk,
-// so 64 u (~ 3.7 sqrt(298) u) bounds it at many sigmas. Relative to the sum of |terms|.
+// Block sums (s, w, cross terms) of GPU and CPU: each exp is within 2 ulp on either side
+// (ex2.approx, the instruction behind CUDA's exp2f; Highway's polynomial), i.e. <= 4 u apart per
+// term, and the sums run in different orders with dependent-add chains of <= 38 (GPU: 32 per
+// accumulator, 64 values a lane in two accumulators, one add of the two, 5 butterfly steps) and <=
+// 256 (CPU, AVX2: 2048 / 8 lanes) additions. Worst case ~ 298 u; same-sign rounding errors add like
+// a random walk, so 64 u (~ 3.7 sqrt(298) u) bounds it at many sigmas. Relative to the sum of
+// |terms|.
 constexpr double kBlockSumRelTol = 64 * kU;
 // Fold and final formulas (host glibc vs device expf/logf, each <= 2 ulp, <= 3 folds of 6 scalar
 // exps each, then one log): relative to (1 + |value|), 64 u is ample.

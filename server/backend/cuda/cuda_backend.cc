@@ -543,9 +543,8 @@ absl::Status RankWorker::IssueUploads() {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), stream()));
   const size_t ids_count = static_cast<size_t>(job_.rows) * static_cast<size_t>(job_.ids_per_row);
   if (ids_count > 0) {
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(ids_, rank_.host_io.data(),
-                                                    ids_count * sizeof(int32_t),
-                                                    cudaMemcpyHostToDevice, stream()));
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+        ids_, rank_.host_io.data(), ids_count * sizeof(int32_t), cudaMemcpyHostToDevice, stream()));
   }
   return absl::OkStatus();
 }
