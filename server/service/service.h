@@ -66,7 +66,8 @@ struct ServiceOptions {
 // same as the client's half-close: the stream would end OK and drop the requests after it).
 using ScorerCallbackBase = v1::Scorer::WithCallbackMethod_Score<
     v1::Scorer::WithRawCallbackMethod_ScoreStream<v1::Scorer::WithCallbackMethod_ListHeads<
-        v1::Scorer::WithCallbackMethod_LoadHead<v1::Scorer::Service>>>>;
+        v1::Scorer::WithCallbackMethod_LoadHead<v1::Scorer::WithCallbackMethod_RegisterSharedMemory<
+            v1::Scorer::WithCallbackMethod_UnregisterSharedMemory<v1::Scorer::Service>>>>>>;
 
 class ScorerService final : public ScorerCallbackBase {
  public:
