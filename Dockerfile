@@ -36,6 +36,8 @@ ARG CUDA_BUILD_PACKAGES="cuda-minimal-build-${CUDA_PKG_SUFFIX} libcublas-dev-${C
 ARG RUN_TESTS=0
 ARG BUILD_JOBS=0
 ENV DEBIAN_FRONTEND=noninteractive
+# The npm tools of CI's tooling checks (tests/tooling) are not needed to build the image.
+ENV LOGITSERVE_NODE_TOOLS=0
 
 # 1. The CUDA toolkit from NVIDIA's Debian 12 repository (GPU build only).
 RUN set -eux; \

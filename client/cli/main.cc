@@ -23,6 +23,7 @@
 #include "client/cli/input_file.h"
 #include "client/cli/output.h"
 #include "client/client.h"
+#include "common/version/build_info.h"
 
 namespace logitserve::client {
 namespace {
@@ -188,6 +189,8 @@ int Main(int argc, char** argv) {
       "Every value printed is in nats. Exit status: 0 ok, 1 server/connection error "
       "(health: not SERVING), 2 usage or input-file error."};
   app.require_subcommand(1);
+  app.set_version_flag("--version", VersionText("logitserve-cli"),
+                       "Print the version and commit of this client and exit");
   ConnectionFlags conn;
 
   CLI::App* health = app.add_subcommand("health", "grpc.health.v1 Check; prints the status");

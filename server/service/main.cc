@@ -7,7 +7,6 @@
 // --drain-timeout, exit 0. A fatal device error (Backend::Health): NOT_SERVING, in-flight work
 // fails with UNAVAILABLE, exit 3 so the orchestrator restarts the process. Logs go to stderr;
 // stdout carries only the `logitserve metrics on` and `logitserve listening on` lines.
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <malloc.h>
@@ -24,7 +23,9 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/version/build_info.h"
 #include "server/backend/backend.h"
 #include "server/backend/fault_injection.h"
 #if LOGITSERVE_HAVE_CUDA
@@ -34,6 +35,7 @@
 #include "server/heads/head_store.h"
 #include "server/service/auth.h"
 #include "server/service/metrics.h"
+#include "server/service/reflection.h"
 #include "server/service/service.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -48,6 +50,7 @@ constexpr int kExitStartupError = 1;
 constexpr int kExitNoCuda = 2;
 constexpr int kExitDeviceFault = 3;
 constexpr const char* kServiceName = "logitserve.v1.Scorer";
+constexpr const char* kHealthServiceName = "grpc.health.v1.Health";
 
 struct Flags {
   std::string listen = "127.0.0.1:50051";
@@ -251,6 +254,20 @@ void AddGaugeSources(const Backend* backend, const HeadStore* heads, Metrics& me
         }
         return values;
       });
+  metrics.AddGaugeSource(
+      "logitserve_build_info",
+      "Always 1; the labels say what is running (version, commit, serving backend, CUDA / NCCL "
+      "versions built against, empty without CUDA).",
+      [backend] {
+        const BuildInfo& build = GetBuildInfo();
+        return std::vector<Metrics::LabeledValue>{
+            {{{"version", std::string(build.version)},
+              {"git_commit", std::string(build.git_commit)},
+              {"backend", backend->name()},
+              {"cuda_version", std::string(build.cuda_version)},
+              {"nccl_version", std::string(build.nccl_version)}},
+             1.0}};
+      });
   metrics.AddGaugeSource("logitserve_head_version", "Version of each served head.", [heads] {
     std::vector<Metrics::LabeledValue> values;
     for (const std::shared_ptr<const PreparedHead>& head : heads->List()) {
@@ -327,8 +344,8 @@ BackendChoice CreateBackend(const Flags& flags) {
       return {CreateCudaBackend(options)};
     }
     if (flags.backend == "cuda") {
-      return {absl::FailedPreconditionError(absl::StrCat(
-                  "--backend cuda: no usable GPU: ", usable.message())),
+      return {absl::FailedPreconditionError(
+                  absl::StrCat("--backend cuda: no usable GPU: ", usable.message())),
               kExitNoCuda};
     }
     spdlog::warn("--backend auto: {}; using the CPU backend", std::string(usable.message()));
@@ -386,6 +403,9 @@ int Run(int argc, char** argv) {
   AddFlags(app, flags);
   ServingFlags serving;
   AddServingFlags(app, serving);
+  app.set_version_flag("--version", VersionText("logitserve"),
+                       "Print the version, commit and compiled-in backends (CUDA / NCCL versions) "
+                       "and exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -395,6 +415,14 @@ int Run(int argc, char** argv) {
   auto logger = spdlog::stderr_color_mt("logitserve");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
+  const BuildInfo& build = GetBuildInfo();
+  spdlog::info("logitserve {} (commit {}, {}); backends built: {}{}", std::string(build.version),
+               std::string(build.git_commit), std::string(build.build_type),
+               std::string(build.backends()),
+               build.cuda_version.empty()
+                   ? ""
+                   : absl::StrCat(" (CUDA ", build.cuda_version, ", NCCL ", build.nccl_version,
+                                  ", sm ", build.cuda_architectures, ")"));
 
   // TLS and token files first: a bad file fails in milliseconds, before heads are loaded.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -474,13 +502,14 @@ int Run(int argc, char** argv) {
   ScorerService service(backend->get(), &heads, options);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  ReflectionServices reflection({kServiceName, kHealthServiceName});
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, *credentials, &port);
   ApplyConnectionLimits(serving, builder);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_receive_message_bytes));
   builder.RegisterService(&service);
+  reflection.RegisterWith(builder);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     spdlog::error("cannot listen on {}", flags.listen);
@@ -489,6 +518,7 @@ int Run(int argc, char** argv) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
+  metrics.SetReadiness(Metrics::Readiness::kServing);
   const std::string address = HostOf(flags.listen) + ":" + std::to_string(port);
   spdlog::info("serving {} head(s) on {}", heads.List().size(), address);
   if (metrics_http != nullptr) {
@@ -511,6 +541,8 @@ int Run(int argc, char** argv) {
     if (!fatal_status.ok()) break;
   }
   health->SetServingStatus(false);
+  metrics.SetReadiness(fatal_status.ok() ? Metrics::Readiness::kDraining
+                                         : Metrics::Readiness::kFailed);
   service.StartDraining();
   if (!fatal_status.ok()) {
     // In-flight work fails fast (the scheduler answers UNAVAILABLE once the backend is unhealthy);

@@ -12,6 +12,23 @@
 #include "server/service/metrics.h"
 
 namespace logitserve {
+namespace {
+
+const char* ReadinessText(Metrics::Readiness readiness) {
+  switch (readiness) {
+    case Metrics::Readiness::kServing:
+      return "ok\n";
+    case Metrics::Readiness::kStarting:
+      return "starting\n";
+    case Metrics::Readiness::kDraining:
+      return "draining\n";
+    case Metrics::Readiness::kFailed:
+      return "failed: fatal device error\n";
+  }
+  return "unknown\n";
+}
+
+}  // namespace
 
 struct MetricsHttpServer::Impl {
   httplib::Server server;
@@ -55,6 +72,16 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   server.set_write_timeout(std::chrono::seconds(5));
   server.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& response) {
     response.set_content(metrics->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  server.Get("/healthz", [metrics](const httplib::Request&, httplib::Response& response) {
+    const bool failed = metrics->readiness() == Metrics::Readiness::kFailed;
+    response.status = failed ? 503 : 200;
+    response.set_content(failed ? "failed: fatal device error\n" : "ok\n", "text/plain");
+  });
+  server.Get("/readyz", [metrics](const httplib::Request&, httplib::Response& response) {
+    const Metrics::Readiness readiness = metrics->readiness();
+    response.status = readiness == Metrics::Readiness::kServing ? 200 : 503;
+    response.set_content(ReadinessText(readiness), "text/plain");
   });
 
   int bound = port;

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/version/build_info.h"
 #include "common/wire/dtype.h"
 #include "server/service/metrics.h"
 #include "server/service/sequence_sums.h"
@@ -254,21 +255,21 @@ class ScorerService::StreamReactor final
       absl::MutexLock lock(&mu_);
       ++in_flight_;
     }
-    service_->Submit(context_, *request,
-                     [this, request](absl::Status status, const ScoreResult& result,
-                                     const ScoreJob& job, const ValidatedRequest& validated,
-                                     const Scheduler::Timing& timing) {
-                       auto response = std::make_unique<v1::ScoreResponse>();
-                       if (status.ok()) {
-                         FillResponse(*request, job, validated, result, timing, response.get());
-                       } else {
-                         response->set_request_id(request->request_id());
-                         response->set_status_code(static_cast<int32_t>(status.code()));
-                         response->set_status_message(std::string(status.message()));
-                       }
-                       service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
-                       Completed(std::move(response));
-                     });
+    service_->Submit(
+        context_, *request,
+        [this, request](absl::Status status, const ScoreResult& result, const ScoreJob& job,
+                        const ValidatedRequest& validated, const Scheduler::Timing& timing) {
+          auto response = std::make_unique<v1::ScoreResponse>();
+          if (status.ok()) {
+            FillResponse(*request, job, validated, result, timing, response.get());
+          } else {
+            response->set_request_id(request->request_id());
+            response->set_status_code(static_cast<int32_t>(status.code()));
+            response->set_status_message(std::string(status.message()));
+          }
+          service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
+          Completed(std::move(response));
+        });
     Actions a;
     {
       absl::MutexLock lock(&mu_);
@@ -329,8 +330,7 @@ class ScorerService::StreamReactor final
       pending_.pop_front();
       a.write = writing_.get();
     }
-    if (!finished_ && reads_done_ && in_flight_ == 0 && writing_ == nullptr &&
-        pending_.empty()) {
+    if (!finished_ && reads_done_ && in_flight_ == 0 && writing_ == nullptr && pending_.empty()) {
       finished_ = true;
       a.finish = true;
     }
@@ -371,8 +371,7 @@ grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScorerService::Sco
   return new StreamReactor(this, context);
 }
 
-void ScorerService::FillHeadInfo(const HeadWeights& w, const Backend& backend,
-                                 v1::HeadInfo* info) {
+void ScorerService::FillHeadInfo(const HeadWeights& w, const Backend& backend, v1::HeadInfo* info) {
   info->set_name(w.name);
   info->set_vocab_size(w.vocab_size);
   info->set_hidden_size(w.hidden_size);
@@ -409,6 +408,15 @@ grpc::ServerUnaryReactor* ScorerService::ListHeads(grpc::CallbackServerContext* 
   response->set_max_top_k(static_cast<uint32_t>(options_.limits.max_top_k));
   response->set_max_tokens_per_request(options_.limits.max_tokens_per_request);
   response->set_max_receive_message_bytes(options_.max_receive_message_bytes);
+  const BuildInfo& build = GetBuildInfo();
+  v1::ServerInfo* info = response->mutable_server_info();
+  info->set_version(std::string(build.version));
+  info->set_git_commit(std::string(build.git_commit));
+  info->set_build_type(std::string(build.build_type));
+  info->set_backends(std::string(build.backends()));
+  info->set_cuda_version(std::string(build.cuda_version));
+  info->set_nccl_version(std::string(build.nccl_version));
+  info->set_cuda_architectures(std::string(build.cuda_architectures));
   RecordRequest("ListHeads", grpc::Status::OK);
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -12,8 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors/safetensors.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -184,17 +186,33 @@ TEST_F(CliTest, HeadsTableAndJson) {
   CommandResult r = RunCli({"heads", "--target", Target()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("backend cpu"));
+  // The server's build: the same values as this test's own (one build tree).
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("# server logitserve ", build.version, " (commit ",
+                                            build.git_commit, ")")));
   EXPECT_THAT(r.out, HasSubstr("policy"));
   EXPECT_THAT(r.out, HasSubstr("reference"));
 
   r = RunCli({"heads", "--target", Target(), "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["server_version"], std::string(build.version));
+  EXPECT_EQ(j["server_git_commit"], std::string(build.git_commit));
   ASSERT_EQ(j["heads"].size(), 2u);
   for (const nlohmann::json& h : j["heads"]) {
     EXPECT_EQ(h["vocab_size"], kVocab);
     EXPECT_EQ(h["hidden_size"], kHidden);
   }
+}
+
+TEST(CliVersionTest, VersionFlagPrintsVersionAndCommit) {
+  const CommandResult r = RunCli({"--version"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_EQ(r.out, VersionText("logitserve-cli") + "\n");
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("logitserve-cli ", build.version, " (commit ",
+                                            build.git_commit, ", ")));
+  EXPECT_THAT(r.out, HasSubstr("backends: cpu"));
 }
 
 TEST_F(CliTest, MakeInputIsDeterministic) {

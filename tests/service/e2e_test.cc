@@ -16,9 +16,11 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/descriptor.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1/reflection.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
@@ -138,34 +140,90 @@ TEST_F(ScorerE2eTest, HealthIsServing) {
   EXPECT_EQ(health->Check(&context, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
-TEST_F(ScorerE2eTest, ReflectionListsAndDescribesTheService) {
-  auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(server_->channel());
+// Both reflection versions (grpcurl and grpc-js ask for v1, older tools for v1alpha) list every
+// served service, describe each of them (grpc.health.v1 included), and answer unknown names
+// with NOT_FOUND on the same stream.
+template <typename Reflection>
+void CheckReflection(const std::shared_ptr<grpc::Channel>& channel) {
+  using Request = typename Reflection::Request;
+  using Response = typename Reflection::Response;
+  auto stub = Reflection::Service::NewStub(channel);
   grpc::ClientContext context;
-  auto stream = reflection->ServerReflectionInfo(&context);
-  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  auto stream = stub->ServerReflectionInfo(&context);
+  Request request;
   request.set_list_services("");
   ASSERT_TRUE(stream->Write(request));
-  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  Response response;
   ASSERT_TRUE(stream->Read(&response));
   std::vector<std::string> services;
   for (const auto& s : response.list_services_response().service()) services.push_back(s.name());
-  EXPECT_THAT(services, ::testing::Contains("logitserve.v1.Scorer"));
+  EXPECT_THAT(services, UnorderedElementsAre("logitserve.v1.Scorer", "grpc.health.v1.Health",
+                                             "grpc.reflection.v1.ServerReflection",
+                                             "grpc.reflection.v1alpha.ServerReflection"));
 
-  request.set_file_containing_symbol("logitserve.v1.Scorer");
+  for (const std::string& service : services) {
+    request.set_file_containing_symbol(service);
+    ASSERT_TRUE(stream->Write(request));
+    ASSERT_TRUE(stream->Read(&response));
+    ASSERT_FALSE(response.has_error_response())
+        << service << ": " << response.error_response().error_message();
+    ASSERT_GE(response.file_descriptor_response().file_descriptor_proto_size(), 1) << service;
+    // The first file declares the service.
+    google::protobuf::FileDescriptorProto file;
+    ASSERT_TRUE(file.ParseFromString(response.file_descriptor_response().file_descriptor_proto(0)));
+    const std::string short_name = service.substr(service.rfind('.') + 1);
+    EXPECT_EQ(file.package() + "." + short_name, service);
+    std::vector<std::string> methods;
+    for (const auto& s : file.service()) {
+      if (s.name() != short_name) continue;
+      for (const auto& m : s.method()) methods.push_back(m.name());
+    }
+    if (service == "logitserve.v1.Scorer") {
+      EXPECT_THAT(methods,
+                  ::testing::IsSupersetOf({"Score", "ScoreStream", "ListHeads", "LoadHead"}));
+    } else if (service == "grpc.health.v1.Health") {
+      EXPECT_THAT(methods, ::testing::IsSupersetOf({"Check", "Watch"}));
+    } else {
+      EXPECT_THAT(methods, ::testing::ElementsAre("ServerReflectionInfo"));
+    }
+  }
+
+  // A method name is a symbol too; a file by its name comes with its dependencies.
+  request.set_file_containing_symbol("logitserve.v1.Scorer.Score");
   ASSERT_TRUE(stream->Write(request));
   ASSERT_TRUE(stream->Read(&response));
-  ASSERT_GE(response.file_descriptor_response().file_descriptor_proto_size(), 1);
-  google::protobuf::FileDescriptorProto file;
-  ASSERT_TRUE(file.ParseFromString(response.file_descriptor_response().file_descriptor_proto(0)));
-  EXPECT_EQ(file.package(), "logitserve.v1");
-  std::vector<std::string> methods;
-  for (const auto& service : file.service()) {
-    if (service.name() != "Scorer") continue;
-    for (const auto& m : service.method()) methods.push_back(m.name());
-  }
-  EXPECT_THAT(methods, ::testing::IsSupersetOf({"Score", "ListHeads"}));
+  EXPECT_FALSE(response.has_error_response()) << response.error_response().error_message();
+  request.set_file_by_filename("logitserve/v1/logitserve.proto");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_GE(response.file_descriptor_response().file_descriptor_proto_size(), 1);
+
+  request.set_file_containing_symbol("no.such.Symbol");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.error_response().error_code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_THAT(response.error_response().error_message(), HasSubstr("no.such.Symbol"));
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+struct ReflectionV1 {
+  using Service = grpc::reflection::v1::ServerReflection;
+  using Request = grpc::reflection::v1::ServerReflectionRequest;
+  using Response = grpc::reflection::v1::ServerReflectionResponse;
+};
+struct ReflectionV1Alpha {
+  using Service = grpc::reflection::v1alpha::ServerReflection;
+  using Request = grpc::reflection::v1alpha::ServerReflectionRequest;
+  using Response = grpc::reflection::v1alpha::ServerReflectionResponse;
+};
+
+TEST_F(ScorerE2eTest, ReflectionV1DescribesEveryService) {
+  CheckReflection<ReflectionV1>(server_->channel());
+}
+
+TEST_F(ScorerE2eTest, ReflectionV1AlphaDescribesEveryService) {
+  CheckReflection<ReflectionV1Alpha>(server_->channel());
 }
 
 TEST_F(ScorerE2eTest, ListHeads) {
@@ -177,6 +235,15 @@ TEST_F(ScorerE2eTest, ListHeads) {
   EXPECT_EQ(response.max_top_k(), 64u);
   EXPECT_EQ(response.max_tokens_per_request(), 65536);
   EXPECT_GT(response.max_receive_message_bytes(), int64_t{256} << 20);
+  // The server's build: the values this test was built with (one build tree).
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_EQ(response.server_info().version(), build.version);
+  EXPECT_EQ(response.server_info().git_commit(), build.git_commit);
+  EXPECT_NE(response.server_info().git_commit(), "");
+  EXPECT_EQ(response.server_info().build_type(), build.build_type);
+  EXPECT_EQ(response.server_info().backends(), build.backends());
+  EXPECT_EQ(response.server_info().cuda_version(), build.cuda_version);
+  EXPECT_EQ(response.server_info().nccl_version(), build.nccl_version);
   ASSERT_EQ(response.heads_size(), 3);
   std::vector<std::string> names;
   for (const v1::HeadInfo& h : response.heads()) {

@@ -27,10 +27,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
@@ -520,7 +524,8 @@ TEST(MetricsE2eTest, CountsRequestsByMethodAndCodeAndTokensScored) {
   absl::StatusOr<Exposition> before = ScrapeMetrics(server->metrics_address());
   ASSERT_TRUE(before.ok()) << before.status();
   for (const auto& [name, family] : *before) {
-    EXPECT_EQ(name.rfind("logitserve_", 0), 0u) << name;
+    // Ours are prefixed; the standard process_* families keep their universal names.
+    EXPECT_TRUE(name.rfind("logitserve_", 0) == 0 || name.rfind("process_", 0) == 0) << name;
     if (family.type == "histogram") {
       EXPECT_TRUE(testing::CheckHistogram(family).ok()) << testing::CheckHistogram(family);
     }
@@ -592,6 +597,97 @@ TEST(MetricsE2eTest, QueueDepthReturnsToZero) {
   });
   EXPECT_EQ(ValueOr0(e, "logitserve_requests_in_flight"), 0);
   EXPECT_THAT(testing::SampleValue(e, "logitserve_queue_depth"), Optional(0.0));
+}
+
+// What every Prometheus target exports: logitserve_build_info (the build ListHeads reports) and
+// the standard process_* families, with values that describe this very process.
+TEST(MetricsE2eTest, BuildInfoAndProcessMetrics) {
+  std::unique_ptr<ServerProcess> server = StartServer({"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(server, nullptr);
+  absl::StatusOr<Exposition> e = ScrapeMetrics(server->metrics_address());
+  ASSERT_TRUE(e.ok()) << e.status();
+  const BuildInfo& build = GetBuildInfo();
+  ASSERT_EQ(e->count("logitserve_build_info"), 1u);
+  EXPECT_EQ(e->at("logitserve_build_info").type, "gauge");
+  EXPECT_THAT(testing::SampleValue(*e, "logitserve_build_info",
+                                   {{"version", std::string(build.version)},
+                                    {"git_commit", std::string(build.git_commit)},
+                                    {"backend", "cpu"},
+                                    {"cuda_version", std::string(build.cuda_version)},
+                                    {"nccl_version", std::string(build.nccl_version)}}),
+              Optional(1.0));
+
+  const std::map<std::string, std::string> process_types = {
+      {"process_cpu_seconds_total", "counter"},
+      {"process_resident_memory_bytes", "gauge"},
+      {"process_virtual_memory_bytes", "gauge"},
+      {"process_open_fds", "gauge"},
+      {"process_max_fds", "gauge"},
+      {"process_start_time_seconds", "gauge"}};
+  for (const auto& [name, type] : process_types) {
+    ASSERT_EQ(e->count(name), 1u) << name;
+    EXPECT_EQ(e->at(name).type, type) << name;
+  }
+  // The server holds a synthetic head and gRPC's threads: some MiB resident, more virtual; a few
+  // descriptors (stdio, sockets) below the limit; started before this scrape, and not before this
+  // test began (a generous minute of slack for clock granularity: start time has tick precision).
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  EXPECT_GT(ValueOr0(*e, "process_resident_memory_bytes"), 1 << 20);
+  EXPECT_GE(ValueOr0(*e, "process_virtual_memory_bytes"),
+            ValueOr0(*e, "process_resident_memory_bytes"));
+  EXPECT_GE(ValueOr0(*e, "process_open_fds"), 3);
+  EXPECT_LT(ValueOr0(*e, "process_open_fds"), ValueOr0(*e, "process_max_fds"));
+  EXPECT_LE(ValueOr0(*e, "process_start_time_seconds"), now + 1);
+  EXPECT_GT(ValueOr0(*e, "process_start_time_seconds"), now - 60);
+  EXPECT_GE(ValueOr0(*e, "process_cpu_seconds_total"), 0);
+
+  // CPU seconds count up as the server works.
+  RawClient raw(server->address());
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(raw.Score("", SmallRequest(64)).ok());
+  absl::StatusOr<Exposition> later = ScrapeMetrics(server->metrics_address());
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_GT(ValueOr0(*later, "process_cpu_seconds_total"),
+            ValueOr0(*e, "process_cpu_seconds_total"));
+}
+
+// /healthz and /readyz on the metrics port: both 200 while serving; on SIGTERM readiness drops
+// (503 "draining") while liveness stays 200 until the process exits.
+TEST(MetricsE2eTest, HealthAndReadinessProbes) {
+  std::unique_ptr<ServerProcess> server =
+      StartServer({"--metrics-listen", "127.0.0.1:0", "--test-fault", "slow-tile:1500"});
+  ASSERT_NE(server, nullptr);
+  const std::string metrics = server->metrics_address();
+  httplib::Client http("http://" + metrics);
+  http.set_connection_timeout(10);
+  http.set_read_timeout(10);
+  for (const char* path : {"/healthz", "/readyz"}) {
+    httplib::Result r = http.Get(path);
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->status, 200) << path;
+    EXPECT_EQ(r->body, "ok\n") << path;
+  }
+  // Keep one slow request in flight so the drain lasts long enough to be observed.
+  RawClient raw(server->address());
+  std::thread slow([&raw] { (void)raw.Score("", SmallRequest(2)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
+  int ready_status = 0;
+  std::string ready_body;
+  for (int i = 0; i < 200; ++i) {  // the main loop polls for signals every 100 ms
+    httplib::Result ready = http.Get("/readyz");
+    ASSERT_TRUE(ready);
+    ready_status = ready->status;
+    ready_body = ready->body;
+    if (ready_status != 200) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(ready_status, 503);
+  EXPECT_EQ(ready_body, "draining\n");
+  httplib::Result live = http.Get("/healthz");
+  ASSERT_TRUE(live);
+  EXPECT_EQ(live->status, 200);
+  slow.join();
+  EXPECT_EQ(server->Stop(), 0);
 }
 
 TEST(MetricsE2eTest, NoMetricsLineWithoutTheFlag) {
