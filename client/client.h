@@ -125,7 +125,7 @@ struct HeadInfo {
   std::string name;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  v1::DataType dtype = v1::DATA_TYPE_UNSPECIFIED;
   uint64_t version = 0;
   std::vector<ShardRange> shards;
   bool has_bias = false;

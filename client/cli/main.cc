@@ -289,7 +289,9 @@ int Main(int argc, char** argv) {
   }
   if (score->parsed()) return RunScore(conn, sf, *score);
   if (make->parsed()) {
-    mo.dtype = dtype == "f32" ? v1::FLOAT32 : dtype == "f16" ? v1::FLOAT16 : v1::BFLOAT16;
+    mo.dtype = dtype == "f32"   ? v1::DATA_TYPE_FLOAT32
+               : dtype == "f16" ? v1::DATA_TYPE_FLOAT16
+                                : v1::DATA_TYPE_BFLOAT16;
     if (absl::Status s = WriteDemoInput(mo); !s.ok()) return Fail(s, kExitUsageError);
     std::printf("wrote %s\n", mo.output.c_str());
     return 0;

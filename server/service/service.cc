@@ -224,7 +224,7 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
 // called outside mu_; the reactor deletes itself in OnDone, which gRPC calls after Finish, and
 // Finish is only called when no scheduler work of the stream remains.
 class ScorerService::StreamReactor final
-    : public grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse> {
+    : public grpc::ServerBidiReactor<v1::ScoreStreamRequest, v1::ScoreStreamResponse> {
  public:
   StreamReactor(ScorerService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context), calls_(service->options_.metrics) {
@@ -235,7 +235,7 @@ class ScorerService::StreamReactor final
       Finish(status);
       return;
     }
-    reading_ = std::make_unique<v1::ScoreRequest>();
+    reading_ = std::make_unique<v1::ScoreStreamRequest>();
     StartRead(reading_.get());
   }
 
@@ -250,20 +250,21 @@ class ScorerService::StreamReactor final
       Run(a);
       return;
     }
-    std::shared_ptr<const v1::ScoreRequest> request(std::move(reading_));
+    std::shared_ptr<const v1::ScoreStreamRequest> request(std::move(reading_));
     {
       absl::MutexLock lock(&mu_);
       ++in_flight_;
     }
     service_->Submit(
-        context_, *request,
+        context_, request->request(),
         [this, request](absl::Status status, const ScoreResult& result, const ScoreJob& job,
                         const ValidatedRequest& validated, const Scheduler::Timing& timing) {
-          auto response = std::make_unique<v1::ScoreResponse>();
+          auto response = std::make_unique<v1::ScoreStreamResponse>();
+          response->set_request_id(request->request().request_id());
           if (status.ok()) {
-            FillResponse(*request, job, validated, result, timing, response.get());
+            FillResponse(request->request(), job, validated, result, timing,
+                         response->mutable_response());
           } else {
-            response->set_request_id(request->request_id());
             response->set_status_code(static_cast<int32_t>(status.code()));
             response->set_status_message(std::string(status.message()));
           }
@@ -302,11 +303,11 @@ class ScorerService::StreamReactor final
   // What to do outside the lock.
   struct Actions {
     bool read = false;
-    v1::ScoreResponse* write = nullptr;
+    v1::ScoreStreamResponse* write = nullptr;
     bool finish = false;
   };
 
-  void Completed(std::unique_ptr<v1::ScoreResponse> response) {
+  void Completed(std::unique_ptr<v1::ScoreStreamResponse> response) {
     Actions a;
     {
       absl::MutexLock lock(&mu_);
@@ -339,7 +340,7 @@ class ScorerService::StreamReactor final
 
   void Run(const Actions& a) {
     if (a.read) {
-      reading_ = std::make_unique<v1::ScoreRequest>();
+      reading_ = std::make_unique<v1::ScoreStreamRequest>();
       StartRead(reading_.get());
     }
     if (a.write != nullptr) StartWrite(a.write);
@@ -355,19 +356,19 @@ class ScorerService::StreamReactor final
   grpc::CallbackServerContext* const context_;
   CallStateCount calls_;
   // Only touched by StartRead and OnReadDone, which gRPC never runs concurrently.
-  std::unique_ptr<v1::ScoreRequest> reading_;
+  std::unique_ptr<v1::ScoreStreamRequest> reading_;
   absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool read_paused_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<v1::ScoreResponse> writing_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::unique_ptr<v1::ScoreResponse>> pending_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<v1::ScoreStreamResponse> writing_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<v1::ScoreStreamResponse>> pending_ ABSL_GUARDED_BY(mu_);
 };
 
-grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScorerService::ScoreStream(
-    grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<v1::ScoreStreamRequest, v1::ScoreStreamResponse>*
+ScorerService::ScoreStream(grpc::CallbackServerContext* context) {
   return new StreamReactor(this, context);
 }
 

@@ -34,7 +34,7 @@
 
 namespace logitserve {
 
-class Metrics;     // server/service/metrics.h
+class Metrics;  // server/service/metrics.h
 
 struct ServiceOptions {
   RequestLimits limits;
@@ -60,14 +60,14 @@ class ScorerService final : public v1::Scorer::CallbackService {
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
                                   const v1::ScoreRequest* request,
                                   v1::ScoreResponse* response) override;
-  grpc::ServerBidiReactor<v1::ScoreRequest, v1::ScoreResponse>* ScoreStream(
+  grpc::ServerBidiReactor<v1::ScoreStreamRequest, v1::ScoreStreamResponse>* ScoreStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
                                       const v1::ListHeadsRequest* request,
                                       v1::ListHeadsResponse* response) override;
   // Defined in load_head.cc.
-  grpc::ServerReadReactor<v1::LoadHeadChunk>* LoadHead(grpc::CallbackServerContext* context,
-                                                       v1::HeadInfo* response) override;
+  grpc::ServerReadReactor<v1::LoadHeadRequest>* LoadHead(grpc::CallbackServerContext* context,
+                                                         v1::LoadHeadResponse* response) override;
 
   // From now on, new Score calls fail with UNAVAILABLE; queued and running ones complete.
   void StartDraining();
@@ -77,8 +77,7 @@ class ScorerService final : public v1::Scorer::CallbackService {
   int64_t in_flight() const { return scheduler_.in_flight(); }
 
   // The description of a head that ListHeads and LoadHead return.
-  static void FillHeadInfo(const HeadWeights& weights, const Backend& backend,
-                           v1::HeadInfo* info);
+  static void FillHeadInfo(const HeadWeights& weights, const Backend& backend, v1::HeadInfo* info);
 
   // Requests of one ScoreStream computed at once; the stream reads no further until one is done.
   static constexpr int kMaxInFlightPerStream = 64;
@@ -87,9 +86,9 @@ class ScorerService final : public v1::Scorer::CallbackService {
   class StreamReactor;
   // What a finished request reports: the status and, when OK, the response fields.
   // `job` and `validated` are meaningful only when `status` is OK.
-  using Completion = std::function<void(absl::Status status, const ScoreResult& result,
-                                        const ScoreJob& job, const ValidatedRequest& validated,
-                                        const Scheduler::Timing& timing)>;
+  using Completion =
+      std::function<void(absl::Status status, const ScoreResult& result, const ScoreJob& job,
+                         const ValidatedRequest& validated, const Scheduler::Timing& timing)>;
 
   absl::Status Authorize(const grpc::CallbackServerContext& context, Role role) const;
   void RecordRequest(const char* method, const grpc::Status& status);

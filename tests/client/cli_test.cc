@@ -105,7 +105,7 @@ std::vector<float> JsonFloats(const nlohmann::json& j, const char* key) {
 }
 
 // Tensor `name` of a safetensors file as a wire tensor of `dtype` (the file's bytes as they are).
-v1::Tensor FileTensor(const SafetensorsFile& f, const char* name, v1::DType dtype) {
+v1::Tensor FileTensor(const SafetensorsFile& f, const char* name, v1::DataType dtype) {
   v1::Tensor t;
   const SafetensorsTensor* st = f.Find(name);
   EXPECT_NE(st, nullptr) << name;
@@ -259,9 +259,10 @@ TEST_F(CliTest, ScoreJsonMatchesFp64) {
   auto file = SafetensorsFile::Open(input);
   ASSERT_TRUE(file.ok()) << file.status();
   v1::ScoreRequest request;
-  *request.mutable_logits() = FileTensor(*file, "logits", v1::FLOAT32);
-  *request.mutable_reference_logits() = FileTensor(*file, "reference_logits", v1::FLOAT32);
-  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::INT32);
+  *request.mutable_logits() = FileTensor(*file, "logits", v1::DATA_TYPE_FLOAT32);
+  *request.mutable_reference_logits() =
+      FileTensor(*file, "reference_logits", v1::DATA_TYPE_FLOAT32);
+  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::DATA_TYPE_INT32);
   request.set_temperature(2.0f);
   request.set_top_k(3);
   request.set_entropy(true);
@@ -298,9 +299,10 @@ TEST_F(CliTest, ScoreJsonOfFloat16HiddenInputMatchesFp64) {
   v1::ScoreRequest request;
   request.set_head("policy");
   request.set_reference_head("reference");
-  *request.mutable_hidden() = FileTensor(*file, "hidden", v1::FLOAT16);
-  *request.mutable_reference_hidden() = FileTensor(*file, "reference_hidden", v1::FLOAT16);
-  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::INT32);
+  *request.mutable_hidden() = FileTensor(*file, "hidden", v1::DATA_TYPE_FLOAT16);
+  *request.mutable_reference_hidden() =
+      FileTensor(*file, "reference_hidden", v1::DATA_TYPE_FLOAT16);
+  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::DATA_TYPE_INT32);
   request.set_top_k(4);
   request.set_entropy(true);
   request.set_reverse_kl(true);

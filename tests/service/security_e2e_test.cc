@@ -165,8 +165,8 @@ v1::ScoreRequest SmallRequest(int64_t rows, const std::string& head = "policy") 
   for (int64_t i = 0; i < rows; ++i) ids[i] = (i * 37) % kVocab;
   v1::ScoreRequest r;
   r.set_head(head);
-  *r.mutable_hidden() = FloatTensor(v1::FLOAT32, hidden, {rows, kHidden});
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {rows});
+  *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, hidden, {rows, kHidden});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {rows});
   r.set_entropy(true);
   return r;
 }
@@ -222,24 +222,26 @@ struct RawClient {
     grpc::ClientContext context;
     Prepare(context, header);
     auto stream = scorer->ScoreStream(&context);
-    stream->Write(request);
+    v1::ScoreStreamRequest message;
+    *message.mutable_request() = request;
+    stream->Write(message);
     stream->WritesDone();
-    v1::ScoreResponse response;
+    v1::ScoreStreamResponse response;
     *responses = 0;
     while (stream->Read(&response)) ++*responses;
     return stream->Finish();
   }
   // LoadHead of a [vocab, hidden] fp32 head named `name` (zeros), in one chunk.
   grpc::Status LoadHead(const std::string& header, const std::string& name, int64_t vocab,
-                        int64_t hidden, v1::HeadInfo* info) {
+                        int64_t hidden, v1::LoadHeadResponse* info) {
     grpc::ClientContext context;
     Prepare(context, header);
     auto writer = scorer->LoadHead(&context, info);
-    v1::LoadHeadChunk chunk;
+    v1::LoadHeadRequest chunk;
     chunk.mutable_spec()->set_name(name);
     chunk.mutable_spec()->set_vocab_size(vocab);
     chunk.mutable_spec()->set_hidden_size(hidden);
-    chunk.mutable_spec()->set_dtype(v1::FLOAT32);
+    chunk.mutable_spec()->set_dtype(v1::DATA_TYPE_FLOAT32);
     chunk.set_weight_data(std::string(vocab * hidden * sizeof(float), '\0'));
     writer->Write(chunk);  // may fail once the server has answered; Finish has the status
     writer->WritesDone();
@@ -403,7 +405,7 @@ TEST_F(AuthE2eTest, RejectedCallsAreUnauthenticatedAndComputeNothing) {
     s = raw_->ScoreStream(header, request, &responses);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "'" << header << "'";
     EXPECT_EQ(responses, 0);
-    v1::HeadInfo info;
+    v1::LoadHeadResponse info;
     s = raw_->LoadHead(header, "uploaded", 4, kHidden, &info);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "'" << header << "'";
   }
@@ -441,7 +443,7 @@ TEST_F(AuthE2eTest, UserTokenScoresButCannotUpload) {
   // The admin token is accepted on user RPCs too.
   EXPECT_TRUE(raw_->ListHeads("Bearer admin-token-9a41").ok());
 
-  v1::HeadInfo info;
+  v1::LoadHeadResponse info;
   s = raw_->LoadHead("Bearer user-token-5f2c", "uploaded", 4, kHidden, &info);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
 
@@ -462,16 +464,16 @@ TEST_F(AuthE2eTest, UserTokenScoresButCannotUpload) {
 }
 
 TEST_F(AuthE2eTest, AdminTokenUploadsAHead) {
-  v1::HeadInfo info;
+  v1::LoadHeadResponse info;
   const grpc::Status s = raw_->LoadHead("Bearer admin-token-9a41", "uploaded", 4, kHidden, &info);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(info.name(), "uploaded");
-  EXPECT_EQ(info.vocab_size(), 4);
-  EXPECT_EQ(info.hidden_size(), kHidden);
+  EXPECT_EQ(info.head().name(), "uploaded");
+  EXPECT_EQ(info.head().vocab_size(), 4);
+  EXPECT_EQ(info.head().hidden_size(), kHidden);
   // All-zero weights: every logit is 0, so log p = -log(4) for every target.
   v1::ScoreRequest request = SmallRequest(2, "uploaded");
   std::vector<int64_t> ids = {0, 3};
-  *request.mutable_target_ids() = IdTensor(v1::INT64, ids, {2});
+  *request.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {2});
   v1::ScoreResponse response;
   const grpc::Status scored = raw_->Score("Bearer user-token-5f2c", request, &response);
   ASSERT_TRUE(scored.ok()) << scored.error_message();
@@ -489,7 +491,7 @@ TEST(AuthOnlyUserTokenE2eTest, UploadsAreDisabled) {
   ASSERT_NE(server, nullptr);
   RawClient raw(server->address());
   EXPECT_TRUE(raw.ListHeads(std::string("Bearer ") + kUserToken).ok());
-  v1::HeadInfo info;
+  v1::LoadHeadResponse info;
   const grpc::Status s = raw.LoadHead(std::string("Bearer ") + kUserToken, "x", 4, kHidden, &info);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("--admin-token-file"));
@@ -548,7 +550,7 @@ TEST(MetricsE2eTest, CountsRequestsByMethodAndCodeAndTokensScored) {
             grpc::StatusCode::NOT_FOUND);
   v1::ScoreRequest bad_ids = SmallRequest(2);
   std::vector<int64_t> out_of_range = {0, kVocab};
-  *bad_ids.mutable_target_ids() = IdTensor(v1::INT64, out_of_range, {2});
+  *bad_ids.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, out_of_range, {2});
   EXPECT_EQ(raw.Score("", bad_ids).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   ASSERT_TRUE(raw.ListHeads("").ok());
   e = ScrapeUntil(server->metrics_address(), [](const Exposition& x) {
@@ -741,8 +743,10 @@ TEST(LimitsE2eTest, MaxConcurrentStreamsQueuesCallsOnAConnection) {
   stream_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto stream = raw.scorer->ScoreStream(&stream_context);
   // One round trip on the stream: it is open and the server's SETTINGS have arrived.
-  ASSERT_TRUE(stream->Write(SmallRequest(2)));
-  v1::ScoreResponse response;
+  v1::ScoreStreamRequest message;
+  *message.mutable_request() = SmallRequest(2);
+  ASSERT_TRUE(stream->Write(message));
+  v1::ScoreStreamResponse response;
   ASSERT_TRUE(stream->Read(&response));
   EXPECT_EQ(response.status_code(), 0) << response.status_message();
 

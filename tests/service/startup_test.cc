@@ -177,7 +177,7 @@ TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
   request.set_head(big.name);
   std::vector<float> h(static_cast<size_t>(n * big.hidden));
   for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
-  *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
+  *request.mutable_hidden() = FloatTensor(v1::DATA_TYPE_BFLOAT16, h, {n, big.hidden});
   request.set_entropy(true);
 
   grpc::Status status;

@@ -133,7 +133,7 @@ class AsyncClient:
                 raise ValueError("score_stream: duplicate request_id %r" % proto.request_id)
             used.add(proto.request_id)
             metas[proto.request_id] = meta
-            return proto
+            return _pb.pb2().ScoreStreamRequest(request=proto)
 
         call = self._stub.ScoreStream(gen(), timeout=timeout, metadata=self._s.metadata())
         try:
@@ -159,4 +159,4 @@ class AsyncClient:
                                      logits_scaling, final_logit_softcapping, chunk_bytes)
         info = await self._call(lambda m, **kw: self._stub.LoadHead(iter(m), **kw), msgs,
                                 admin=True, timeout=timeout, retry=bool(version))
-        return _api.HeadInfo(info)
+        return _api.HeadInfo(info.head)

@@ -121,7 +121,8 @@ class HeadInfo:
         self.name = msg.name
         self.vocab_size = msg.vocab_size
         self.hidden_size = msg.hidden_size
-        self.dtype = self._DTYPE_NAMES.get(pb2.DType.Name(msg.dtype), pb2.DType.Name(msg.dtype))
+        name = pb2.DataType.Name(msg.dtype).replace("DATA_TYPE_", "", 1)
+        self.dtype = self._DTYPE_NAMES.get(name, name)
         self.version = msg.version
         self.shards = [(s.shard, s.vocab_begin, s.vocab_end) for s in msg.shards]
         self.has_bias = msg.has_bias
@@ -412,26 +413,27 @@ def assemble(responses, chunks, meta, request_id):
 
 
 def stream_result(resp, meta):
-    """A ScoreStream response: the result, or a failed result carrying its typed error."""
+    """A ScoreStreamResponse: the result, or a failed result carrying its typed error."""
     if resp.status_code:
         res = ScoreResult(resp.request_id)
         res.error = error_for(resp.status_code, resp.status_message)
         return res
     nseq = meta.sequences or 0
-    return assemble([resp], [(0, meta.rows or 0, 0, nseq)], meta, resp.request_id)
+    return assemble([resp.response], [(0, meta.rows or 0, 0, nseq)], meta, resp.request_id)
 
 
 # ---- load_head -----------------------------------------------------------------------------
 
 def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_scaling,
                      final_logit_softcapping, chunk_bytes):
-    """The LoadHeadChunk messages of an upload (spec first, then weight bytes, then bias bytes)."""
+    """The LoadHeadRequest messages of an upload (spec first, then weight bytes, then bias bytes)."""
     pb2 = _pb.pb2()
     w = np.asarray(weight)
     if w.ndim != 2:
         raise ValueError("weight: expected a [vocab_size, hidden_size] array, got shape %s" % (w.shape,))
     wt = float_tensor(w, dtype, "weight")
-    wire = {pb2.BFLOAT16: "bf16", pb2.FLOAT16: "fp16", pb2.FLOAT32: "fp32"}[wt.dtype]
+    wire = {pb2.DATA_TYPE_BFLOAT16: "bf16", pb2.DATA_TYPE_FLOAT16: "fp16",
+            pb2.DATA_TYPE_FLOAT32: "fp32"}[wt.dtype]
     bias_bytes = b""
     if bias is not None:
         b = np.asarray(bias)
@@ -450,13 +452,13 @@ def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_sca
     msgs = []
     first = True
     for off in range(0, max(len(data), 1), step):
-        m = pb2.LoadHeadChunk(weight_data=data[off:off + step])
+        m = pb2.LoadHeadRequest(weight_data=data[off:off + step])
         if first:
             m.spec.CopyFrom(spec)
             first = False
         msgs.append(m)
     for off in range(0, len(bias_bytes), step):
-        msgs.append(pb2.LoadHeadChunk(bias_data=bias_bytes[off:off + step]))
+        msgs.append(pb2.LoadHeadRequest(bias_data=bias_bytes[off:off + step]))
     return msgs
 
 

@@ -220,7 +220,8 @@ class Client:
                 failure.append(e)
                 raise
 
-        call = self._stub.ScoreStream(gen(), timeout=timeout, metadata=self._s.metadata())
+        call = self._stub.ScoreStream((_pb.pb2().ScoreStreamRequest(request=r) for r in gen()),
+                                       timeout=timeout, metadata=self._s.metadata())
         try:
             for resp in call:
                 res = _api.stream_result(resp, metas.pop(resp.request_id))
@@ -247,4 +248,4 @@ class Client:
                                      logits_scaling, final_logit_softcapping, chunk_bytes)
         info = self._call(lambda m, **kw: self._stub.LoadHead(iter(m), **kw), msgs, admin=True,
                           timeout=timeout, retry=bool(version))
-        return _api.HeadInfo(info)
+        return _api.HeadInfo(info.head)

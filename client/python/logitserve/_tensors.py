@@ -103,7 +103,7 @@ def float_tensor(array, dtype, field):
     else:
         raise TypeError("%s: expected a float16/float32/float64 array or uint16 bfloat16 bit patterns, "
                         "got dtype %s" % (field, a.dtype))
-    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(a.shape), data=data.tobytes())
+    return pb2.Tensor(dtype=getattr(pb2, "DATA_TYPE_" + wire), shape=list(a.shape), data=data.tobytes())
 
 
 def id_tensor(array, field):
@@ -115,10 +115,10 @@ def id_tensor(array, field):
     if a.dtype.kind not in "iu":
         raise TypeError("%s: expected integer token ids, got dtype %s" % (field, a.dtype))
     if a.dtype == np.int32:
-        return pb2.Tensor(dtype=pb2.INT32, shape=list(a.shape), data=np.ascontiguousarray(a, "<i4").tobytes())
+        return pb2.Tensor(dtype=pb2.DATA_TYPE_INT32, shape=list(a.shape), data=np.ascontiguousarray(a, "<i4").tobytes())
     if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
         raise ValueError("%s: id out of the int64 range" % field)
-    return pb2.Tensor(dtype=pb2.INT64, shape=list(a.shape), data=np.ascontiguousarray(a, "<i8").tobytes())
+    return pb2.Tensor(dtype=pb2.DATA_TYPE_INT64, shape=list(a.shape), data=np.ascontiguousarray(a, "<i8").tobytes())
 
 
 _NUMPY_OF = {"FLOAT32": "<f4", "BFLOAT16": "<u2", "FLOAT16": "<f2", "INT32": "<i4", "INT64": "<i8"}
@@ -127,7 +127,7 @@ _NUMPY_OF = {"FLOAT32": "<f4", "BFLOAT16": "<u2", "FLOAT16": "<f2", "INT32": "<i
 def tensor_to_numpy(t):
     """Decodes a Tensor (BFLOAT16 comes back as float32, exactly)."""
     pb2 = _pb2()
-    name = pb2.DType.Name(t.dtype)
+    name = pb2.DataType.Name(t.dtype).replace("DATA_TYPE_", "", 1)
     a = np.frombuffer(t.data, dtype=_NUMPY_OF[name]).reshape(tuple(t.shape))
     return bf16_bits_to_f32(a) if name == "BFLOAT16" else a.astype(a.dtype.newbyteorder("="))
 
