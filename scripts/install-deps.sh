@@ -14,7 +14,7 @@ PACKAGES=(
   libhwy-dev libdnnl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-grpcio python3-protobuf python3-pytest python3-pip python3-venv python3-wheel
-  python3-setuptools python3-yaml yamllint libopenblas0-pthread
+  python3-setuptools python3-build python3-yaml yamllint libopenblas0-pthread
   clang-14 libclang-rt-14-dev libfuzzer-14-dev openssl curl
 )
 # Node.js and npm for tests/tooling (buf, grpc-js, kubernetes-models); a node that is already on

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _pb
 from ._errors import InvalidArgument, Internal, error_for
-from ._tensors import float_tensor, id_tensor, slice_rows
+from ._tensors import as_array, float_tensor, id_tensor, slice_rows
 
 # Headroom kept below the server's max_receive_message_bytes for non-row fields and framing.
 MESSAGE_HEADROOM_BYTES = 64 * 1024
@@ -137,11 +137,14 @@ class HeadInfo:
 
 
 class ServerHeads:
-    """ListHeads: `heads` (list of HeadInfo), `backend`, and the server limits."""
+    """ListHeads: `heads` (list of HeadInfo; also `server_heads["policy"]`), `backend`, the
+    server limits, and the server build: `server_version`, `server_git_commit`."""
 
     def __init__(self, msg):
         self.heads = [HeadInfo(h) for h in msg.heads]
         self.backend = msg.backend
+        self.server_version = msg.server_info.version
+        self.server_git_commit = msg.server_info.git_commit
         self.max_top_k = msg.max_top_k
         self.max_tokens_per_request = msg.max_tokens_per_request
         self.max_receive_message_bytes = msg.max_receive_message_bytes
@@ -428,7 +431,7 @@ def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_sca
                      final_logit_softcapping, chunk_bytes):
     """The LoadHeadRequest messages of an upload (spec first, then weight bytes, then bias bytes)."""
     pb2 = _pb.pb2()
-    w = np.asarray(weight)
+    w = as_array(weight, "weight")
     if w.ndim != 2:
         raise ValueError("weight: expected a [vocab_size, hidden_size] array, got shape %s" % (w.shape,))
     wt = float_tensor(w, dtype, "weight")
@@ -436,7 +439,7 @@ def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_sca
             pb2.DATA_TYPE_FLOAT32: "fp32"}[wt.dtype]
     bias_bytes = b""
     if bias is not None:
-        b = np.asarray(bias)
+        b = as_array(bias, "bias")
         if b.shape != (w.shape[0],):
             raise ValueError("bias: expected shape [%d], got %s" % (w.shape[0], list(b.shape)))
         if b.dtype == np.uint16 and wire != "bf16":

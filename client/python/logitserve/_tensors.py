@@ -10,6 +10,10 @@ Floating inputs travel as the dtype chosen by `dtype` (None / "bf16" / "fp16" / 
 
 * float64 goes to bf16 through round-to-odd float32, so the result is the correctly rounded bf16 of
   the float64 value (no double rounding).
+
+torch tensors (CPU) are accepted wherever arrays are, without copying where numpy can share the
+memory: torch.bfloat16 travels as BFLOAT16 bit for bit (like uint16 bits), every other dtype as its
+numpy twin. torch is never imported unless a torch tensor is passed.
 """
 
 import numpy as np
@@ -25,6 +29,24 @@ _FLOAT_DTYPES = {
 
 def _pb2():
     return _pb.pb2()
+
+
+def as_array(x, field):
+    """numpy view of `x`: numpy arrays and sequences as is, torch CPU tensors shared (bf16 as its
+    uint16 bit patterns)."""
+    if type(x).__module__.split(".")[0] != "torch":
+        return np.asarray(x)
+    import torch  # a torch tensor exists, so torch is importable
+
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    t = x.detach()
+    if t.device.type != "cpu":
+        raise TypeError("%s: a torch tensor on %s; pass a CPU tensor (x.cpu())" % (field, t.device))
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def f32_to_bf16_bits(x):
@@ -84,7 +106,7 @@ def _wire_dtype(name, field):
 def float_tensor(array, dtype, field):
     """A float Tensor from a numpy array (see the module comment for the dtype rules)."""
     pb2 = _pb2()
-    a = np.asarray(array)
+    a = as_array(array, field)
     if a.dtype == np.uint16:
         if dtype is not None and _wire_dtype(dtype, field) != "BFLOAT16":
             raise ValueError("%s: uint16 arrays are bfloat16 bit patterns; dtype must be bf16" % field)
@@ -107,9 +129,9 @@ def float_tensor(array, dtype, field):
 
 
 def id_tensor(array, field):
-    """An INT32/INT64 Tensor of token ids (Python ints or any integer numpy dtype)."""
+    """An INT32/INT64 Tensor of token ids (Python ints, any integer numpy dtype, torch tensors)."""
     pb2 = _pb2()
-    a = np.asarray(array)
+    a = as_array(array, field)
     if a.size == 0 and a.dtype.kind not in "iu":
         a = a.astype(np.int64)
     if a.dtype.kind not in "iu":
