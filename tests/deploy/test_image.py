@@ -58,10 +58,10 @@ def _wait_listening(proc, timeout=120):
 
 def _serve(podman, heads_dir, stack):
     args = ["--listen", "127.0.0.1:0", "--backend", "cpu", "--threads", "1"]
-    head = ["--head", "policy=/heads/head.safetensors:policy"]
+    head = ["--head", "policy=/mnt/head.safetensors:policy"]  # /mnt: in every Debian image
     # 1. Through the container runtime.
     proc = subprocess.Popen([podman, "run", "--rm", "--network", "host", "--entrypoint",
-                             "/usr/local/bin/logitserve", "-v", heads_dir + ":/heads:ro", TAG]
+                             "/usr/local/bin/logitserve", "-v", heads_dir + ":/mnt:ro", TAG]
                             + args + head, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     stack.append(proc)
     address = _wait_listening(proc, timeout=60)
@@ -73,7 +73,7 @@ def _serve(podman, heads_dir, stack):
     root = subprocess.run([podman, "image", "mount", TAG], check=True, capture_output=True,
                           text=True).stdout.strip()
     stack.append(lambda: subprocess.run([podman, "image", "unmount", TAG], check=False))
-    for src, dst in [(heads_dir, "heads"), ("/dev", "dev"), ("/proc", "proc")]:
+    for src, dst in [(heads_dir, "mnt"), ("/dev", "dev"), ("/proc", "proc")]:
         target = os.path.join(root, dst)
         if not os.path.isdir(target):
             pytest.fail("the image lacks /%s to mount onto" % dst)
