@@ -8,6 +8,7 @@
 # from NVIDIA's own Debian 12 apt repository: the build runs the very script and CMake configure CI
 # uses, and the runtime stage installs the exact Debian and NVIDIA packages the binaries link to.
 #
+#   Any engine (docker, podman, buildah), base images overridable: scripts/build-image.sh --help
 #   GPU image:  docker build -t logitserve:cuda .
 #   CPU image:  docker build --build-arg LOGITSERVE_CUDA=OFF -t logitserve:cpu .
 #   Other GPUs: --build-arg CUDA_ARCHS="80;90"  (CMAKE_CUDA_ARCHITECTURES)
@@ -35,7 +36,12 @@ ARG NCCL_PIN=
 ARG CUDA_BUILD_PACKAGES="cuda-minimal-build-${CUDA_PKG_SUFFIX} libcublas-dev-${CUDA_PKG_SUFFIX} libnccl2${NCCL_PIN} libnccl-dev${NCCL_PIN}"
 ARG RUN_TESTS=0
 ARG BUILD_JOBS=0
+# The commit `logitserve --version` reports (.git is not in the build context);
+# scripts/build-image.sh passes `git describe`.
+ARG GIT_COMMIT=unknown
 ENV DEBIAN_FRONTEND=noninteractive
+# The npm tools of CI's tooling checks (tests/tooling) are not needed to build the image.
+ENV LOGITSERVE_NODE_TOOLS=0
 
 # 1. The CUDA toolkit from NVIDIA's Debian 12 repository (GPU build only).
 RUN set -eux; \
@@ -65,7 +71,8 @@ RUN set -eux; \
       cuda_flags="-DLOGITSERVE_ENABLE_CUDA=ON -DCMAKE_CUDA_COMPILER=$CUDA_HOME/bin/nvcc \
         -DCUDAToolkit_ROOT=$CUDA_HOME -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHS"; \
     fi; \
-    cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release $cuda_flags; \
+    cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release $cuda_flags \
+      -DLOGITSERVE_GIT_COMMIT="$GIT_COMMIT"; \
     if [ "$RUN_TESTS" = 1 ]; then \
       BUILD_DIR=/build CTEST_ARGS="-LE gpu|deploy" bash scripts/test.sh; \
     else \

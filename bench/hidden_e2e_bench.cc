@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   req.set_head(head);
   req.set_entropy(true);
   auto* h = req.mutable_hidden();
-  h->set_dtype(logitserve::v1::BFLOAT16);
+  h->set_dtype(logitserve::v1::DATA_TYPE_BFLOAT16);
   h->add_shape(rows);
   h->add_shape(hidden);
   std::vector<uint16_t> hb(static_cast<size_t>(rows * hidden));
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   for (auto& x : hb) x = logitserve::kernels::FloatToBFloat16(nd(rng));
   h->set_data(hb.data(), hb.size() * 2);
   auto* ids = req.mutable_target_ids();
-  ids->set_dtype(logitserve::v1::INT32);
+  ids->set_dtype(logitserve::v1::DATA_TYPE_INT32);
   ids->add_shape(rows);
   std::vector<int32_t> iv(static_cast<size_t>(rows));
   for (int64_t i = 0; i < rows; ++i) iv[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);

@@ -189,6 +189,8 @@ absl::StatusOr<ListHeadsOutput> Client::ListHeads() {
   if (!status.ok()) return FromGrpcStatus(status);
   ListHeadsOutput out;
   out.backend = response.backend();
+  out.server_version = response.server_info().version();
+  out.server_git_commit = response.server_info().git_commit();
   out.max_top_k = response.max_top_k();
   out.max_tokens_per_request = response.max_tokens_per_request();
   out.max_receive_message_bytes = response.max_receive_message_bytes();

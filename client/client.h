@@ -120,7 +120,7 @@ struct ScoreOutput {
   std::vector<float> jsd;                // [N] JSD_beta(p, q)
   std::optional<SequenceStatsOutput> sequence_sums;
   std::optional<SequenceStatsOutput> sequence_means;  // sums / token_count (NaN when 0)
-  uint64_t head_version = 0;  // 0 in logits mode
+  uint64_t head_version = 0;                          // 0 in logits mode
   uint64_t reference_head_version = 0;
   int64_t queue_us = 0;    // server queue time, summed over chunks
   int64_t compute_us = 0;  // server compute time, summed over chunks
@@ -138,7 +138,7 @@ struct HeadInfo {
   std::string name;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  v1::DataType dtype = v1::DATA_TYPE_UNSPECIFIED;
   uint64_t version = 0;
   std::vector<ShardRange> shards;
   bool has_bias = false;
@@ -151,6 +151,9 @@ struct HeadInfo {
 struct ListHeadsOutput {
   std::vector<HeadInfo> heads;
   std::string backend;  // "cpu" or "cuda"
+  // The server build (ListHeadsResponse.server_info); empty from servers before 0.1.0's.
+  std::string server_version;     // e.g. "0.1.0"
+  std::string server_git_commit;  // e.g. "6e2d902a1b3c"
   uint32_t max_top_k = 0;
   int64_t max_tokens_per_request = 0;     // 0 = no limit reported
   int64_t max_receive_message_bytes = 0;  // 0 = no limit reported

@@ -19,6 +19,7 @@ namespace {
 
 constexpr const char* kScoreStreamMethod = "/logitserve.v1.Scorer/ScoreStream";
 constexpr int kTensorDataField = 3;  // Tensor.data
+constexpr int kStreamRequestField = 1;  // ScoreStreamRequest.request
 constexpr int kLengthDelimited = 2;  // protobuf wire type
 
 void AppendVarint(uint64_t v, std::string& out) {
@@ -87,9 +88,9 @@ class PipelineReactor final : public grpc::ClientBidiReactor<grpc::ByteBuffer, g
 
   void OnReadDone(bool ok) override {
     if (!ok) return;  // the stream ended: OnDone follows
-    v1::ScoreResponse response;
+    v1::ScoreStreamResponse response;
     const grpc::Status parsed =
-        grpc::SerializationTraits<v1::ScoreResponse>::Deserialize(&read_buffer_, &response);
+        grpc::SerializationTraits<v1::ScoreStreamResponse>::Deserialize(&read_buffer_, &response);
     bool write = false, writes_done = false, cancel = false, read = false;
     {
       absl::MutexLock lock(&mu_);
@@ -108,7 +109,7 @@ class PipelineReactor final : public grpc::ClientBidiReactor<grpc::ByteBuffer, g
         cancel = true;
       } else {
         answered_[index] = true;
-        responses_[index] = std::move(response);
+        responses_[index] = std::move(*response.mutable_response());
         ++received_;
         read = received_ < chunks_;
         write = PrepareNextWriteLocked();
@@ -227,7 +228,7 @@ grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                                     {10, request.target_ids()}}};
   std::vector<std::pair<int, absl::string_view>> data;  // field, the chunk's bytes
   for (const Row& r : rows) {
-    const bool present = r.in.shape_size() > 0 || r.in.dtype() != v1::DTYPE_UNSPECIFIED ||
+    const bool present = r.in.shape_size() > 0 || r.in.dtype() != v1::DATA_TYPE_UNSPECIFIED ||
                          !r.in.data().empty() || r.in.has_shared_memory();
     if (!present) continue;
     v1::Tensor* out = mutable_tensor(r.field);
@@ -245,8 +246,11 @@ grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                                    .substr(static_cast<size_t>(chunk.row_begin * row_bytes),
                                            static_cast<size_t>(chunk.rows() * row_bytes)));
   }
-  std::vector<grpc::Slice> slices;
+  // Slot 0: the ScoreStreamRequest's tag and length, once the request's size is known.
+  std::vector<grpc::Slice> slices(1);
+  size_t request_bytes = 0;
   slices.emplace_back(header.SerializeAsString());
+  request_bytes += slices.back().size();
   for (const auto& [field, bytes] : data) {
     std::string inner;
     AppendTag(kTensorDataField, inner);
@@ -255,9 +259,14 @@ grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
     AppendTag(field, prefix);
     AppendVarint(inner.size() + bytes.size(), prefix);
     prefix += inner;
+    request_bytes += prefix.size() + bytes.size();
     slices.emplace_back(std::move(prefix));
     if (!bytes.empty()) slices.emplace_back(bytes.data(), bytes.size(), grpc::Slice::STATIC_SLICE);
   }
+  std::string wrapper;
+  AppendTag(kStreamRequestField, wrapper);
+  AppendVarint(request_bytes, wrapper);
+  slices[0] = grpc::Slice(std::move(wrapper));
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 

@@ -5,7 +5,7 @@
 //
 // No copies of the tensor bytes: a chunk is sent as a grpc::ByteBuffer whose large slices point
 // into the caller's request (ChunkBytes), through the generic callback API; the server parses it
-// as an ordinary ScoreRequest.
+// as an ordinary ScoreStreamRequest.
 //
 // Deadline and cancellation: the call's context (its deadline covers every chunk, as the server
 // checks it before each chunk's row tiles); on the first failed chunk the call is cancelled, so
@@ -42,18 +42,20 @@ struct PipelineOutcome {
   absl::Status chunk_error;
 };
 
-// The wire bytes of the chunk `chunk` of `request` with request_id `request_id`:
-// `request_without_rows` (the request with its row tensors and sequence_lengths cleared) with the
-// chunk's shapes and sequence lengths, then each row tensor's rows as one more occurrence of the
-// tensor field holding only `data` (protobuf parsers merge repeated occurrences of an embedded
-// message). The data slices point into `request`, which must outlive the buffer.
+// The wire bytes of the ScoreStreamRequest carrying chunk `chunk` of `request` with request_id
+// `request_id`. Its `request` is `request_without_rows` (the request with its row tensors and
+// sequence_lengths cleared) with the chunk's shapes and sequence lengths, then each row tensor's
+// rows as one more occurrence of the tensor field holding only `data` (protobuf parsers merge
+// repeated occurrences of an embedded message). The data slices point into `request`, which must
+// outlive the buffer.
 grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                             const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
                             const std::string& request_id);
 
 // Sends `chunks` chunk buffers made by make_chunk(i) (which must carry request_id i, decimal)
-// over one ScoreStream on `context`, keeping at most `depth` (>= 1) unanswered. A response whose
-// request_id names no outstanding chunk is INTERNAL.
+// over one ScoreStream on `context`, keeping at most `depth` (>= 1) unanswered. A
+// ScoreStreamResponse whose request_id names no outstanding chunk is INTERNAL; one with a non-zero
+// status_code fails its chunk.
 PipelineOutcome RunPipeline(grpc::GenericStub& stub, grpc::ClientContext& context, size_t chunks,
                             absl::FunctionRef<grpc::ByteBuffer(size_t)> make_chunk, int depth);
 

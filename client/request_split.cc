@@ -28,7 +28,7 @@ std::vector<RowTensor> PresentRowTensors(const v1::ScoreRequest& r) {
                                          {"target_ids", &r.target_ids()}}};
   std::vector<RowTensor> present;
   for (const RowTensor& t : all) {
-    if (t.tensor->shape_size() > 0 || t.tensor->dtype() != v1::DTYPE_UNSPECIFIED ||
+    if (t.tensor->shape_size() > 0 || t.tensor->dtype() != v1::DATA_TYPE_UNSPECIFIED ||
         !t.tensor->data().empty()) {
       present.push_back(t);
     }

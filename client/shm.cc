@@ -55,7 +55,7 @@ SharedMemoryBuffer::~SharedMemoryBuffer() {
   shm_unlink(key_.c_str());
 }
 
-v1::Tensor SharedMemoryTensor(const std::string& region, uint64_t offset, v1::DType dtype,
+v1::Tensor SharedMemoryTensor(const std::string& region, uint64_t offset, v1::DataType dtype,
                               const std::vector<int64_t>& shape) {
   v1::Tensor t;
   t.set_dtype(dtype);

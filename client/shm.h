@@ -6,7 +6,7 @@
 //   auto shm = logitserve::client::SharedMemoryBuffer::Create("/worker-3", 64 << 20);
 //   std::memcpy((*shm)->data(), hidden_bf16, bytes);
 //   client->RegisterSharedMemory("worker-3", (*shm)->key(), 0, (*shm)->size());
-//   *req.mutable_hidden() = SharedMemoryTensor("worker-3", 0, v1::BFLOAT16, {n, h});
+//   *req.mutable_hidden() = SharedMemoryTensor("worker-3", 0, v1::DATA_TYPE_BFLOAT16, {n, h});
 //   client->Score(req);   // do not rewrite those bytes until Score returned
 //   client->UnregisterSharedMemory("worker-3");  // returns once the server reads it no more
 //
@@ -51,7 +51,7 @@ class SharedMemoryBuffer {
 
 // A Tensor of `dtype` and `shape` whose bytes are [offset, offset + bytes) of the region the
 // server knows as `region` (byte_size left 0: the server derives it from shape and dtype).
-v1::Tensor SharedMemoryTensor(const std::string& region, uint64_t offset, v1::DType dtype,
+v1::Tensor SharedMemoryTensor(const std::string& region, uint64_t offset, v1::DataType dtype,
                               const std::vector<int64_t>& shape);
 
 }  // namespace logitserve::client

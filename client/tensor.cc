@@ -19,7 +19,7 @@ static_assert(std::endian::native == std::endian::little,
               "logitserve assumes a little-endian host");
 
 template <typename T>
-v1::Tensor Pack(v1::DType dtype, std::span<const T> values, const std::vector<int64_t>& shape) {
+v1::Tensor Pack(v1::DataType dtype, std::span<const T> values, const std::vector<int64_t>& shape) {
   v1::Tensor t;
   t.set_dtype(dtype);
   for (int64_t d : shape) t.add_shape(d);
@@ -41,15 +41,15 @@ int64_t NumElements(const v1::Tensor& t) {
 }  // namespace
 
 v1::Tensor TensorOf(std::span<const float> values, const std::vector<int64_t>& shape) {
-  return Pack(v1::FLOAT32, values, shape);
+  return Pack(v1::DATA_TYPE_FLOAT32, values, shape);
 }
 
 v1::Tensor TensorOf(std::span<const int32_t> values, const std::vector<int64_t>& shape) {
-  return Pack(v1::INT32, values, shape);
+  return Pack(v1::DATA_TYPE_INT32, values, shape);
 }
 
 v1::Tensor TensorOf(std::span<const int64_t> values, const std::vector<int64_t>& shape) {
-  return Pack(v1::INT64, values, shape);
+  return Pack(v1::DATA_TYPE_INT64, values, shape);
 }
 
 v1::Tensor BFloat16TensorOf(std::span<const float> values, const std::vector<int64_t>& shape) {
@@ -60,25 +60,25 @@ v1::Tensor BFloat16TensorOf(std::span<const float> values, const std::vector<int
 
 v1::Tensor BFloat16TensorFromBits(std::span<const uint16_t> bits,
                                   const std::vector<int64_t>& shape) {
-  return Pack(v1::BFLOAT16, bits, shape);
+  return Pack(v1::DATA_TYPE_BFLOAT16, bits, shape);
 }
 
 v1::Tensor Float16TensorFromBits(std::span<const uint16_t> bits,
                                  const std::vector<int64_t>& shape) {
-  return Pack(v1::FLOAT16, bits, shape);
+  return Pack(v1::DATA_TYPE_FLOAT16, bits, shape);
 }
 
-const char* DTypeName(v1::DType dtype) {
+const char* DTypeName(v1::DataType dtype) {
   switch (dtype) {
-    case v1::FLOAT32:
+    case v1::DATA_TYPE_FLOAT32:
       return "float32";
-    case v1::BFLOAT16:
+    case v1::DATA_TYPE_BFLOAT16:
       return "bfloat16";
-    case v1::FLOAT16:
+    case v1::DATA_TYPE_FLOAT16:
       return "float16";
-    case v1::INT32:
+    case v1::DATA_TYPE_INT32:
       return "int32";
-    case v1::INT64:
+    case v1::DATA_TYPE_INT64:
       return "int64";
     default:
       return "unspecified";
@@ -140,12 +140,12 @@ absl::StatusOr<std::vector<int64_t>> IntsOf(const v1::Tensor& tensor) {
     return absl::InvalidArgumentError("tensor: its bytes are in shared memory, not in data");
   }
   const std::string& data = tensor.data();
-  if (tensor.dtype() == v1::INT64) {
+  if (tensor.dtype() == v1::DATA_TYPE_INT64) {
     std::vector<int64_t> out(data.size() / 8);
     std::memcpy(out.data(), data.data(), data.size());
     return out;
   }
-  if (tensor.dtype() == v1::INT32) {
+  if (tensor.dtype() == v1::DATA_TYPE_INT32) {
     std::vector<int32_t> narrow(data.size() / 4);
     std::memcpy(narrow.data(), data.data(), data.size());
     return std::vector<int64_t>(narrow.begin(), narrow.end());

@@ -32,7 +32,7 @@ v1::Tensor BFloat16TensorFromBits(std::span<const uint16_t> bits,
 v1::Tensor Float16TensorFromBits(std::span<const uint16_t> bits, const std::vector<int64_t>& shape);
 
 // "float32", "bfloat16", "float16", "int32", "int64" (or "unspecified").
-const char* DTypeName(v1::DType dtype);
+const char* DTypeName(v1::DataType dtype);
 
 // OK when every dim is >= 0, the dtype is known and len(data) == product(shape) * size(dtype);
 // for a tensor naming shared memory: data empty and byte_size 0 or that product (the server

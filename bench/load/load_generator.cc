@@ -279,6 +279,18 @@ void ClosedUnaryWorker(Run& run, int worker) {
   }
 }
 
+// Writes `request` as one ScoreStreamRequest without copying its (possibly large) tensors: the
+// wrapper borrows the message for the write and hands it back.
+bool WriteStreamRequest(
+    grpc::ClientReaderWriter<v1::ScoreStreamRequest, v1::ScoreStreamResponse>& stream,
+    v1::ScoreRequest& request) {
+  v1::ScoreStreamRequest wrapper;
+  wrapper.set_allocated_request(&request);
+  const bool ok = stream.Write(wrapper);
+  (void)wrapper.release_request();
+  return ok;
+}
+
 // One stream per worker, one request in flight on it; a broken stream counts its pending request
 // under the stream's final status and is reopened.
 void ClosedStreamWorker(Run& run, int worker) {
@@ -293,15 +305,15 @@ void ClosedStreamWorker(Run& run, int worker) {
     while (Clock::now() < run.end) {
       t0 = Clock::now();
       pending = true;
-      if (!rw->Write(run.pool[next++ % run.pool.size()])) break;
-      v1::ScoreResponse response;
+      if (!WriteStreamRequest(*rw, run.pool[next++ % run.pool.size()])) break;
+      v1::ScoreStreamResponse response;
       if (!rw->Read(&response)) break;
       pending = false;
       run.stats.Record(t0, Clock::now(), response.status_code(),
-                       response.status_code() == 0 ? &response : nullptr);
+                       response.status_code() == 0 ? &response.response() : nullptr);
     }
     rw->WritesDone();
-    v1::ScoreResponse extra;
+    v1::ScoreStreamResponse extra;
     while (rw->Read(&extra)) {
     }
     const grpc::Status s = rw->Finish();
@@ -378,7 +390,7 @@ void OpenStream(Run& run, int stream_index, int streams) {
   std::mutex mu;
   std::unordered_map<std::string, Clock::time_point> pending;
   std::thread reader([&] {
-    v1::ScoreResponse response;
+    v1::ScoreStreamResponse response;
     while (rw->Read(&response)) {
       const Clock::time_point now = Clock::now();
       Clock::time_point scheduled;
@@ -390,7 +402,7 @@ void OpenStream(Run& run, int stream_index, int streams) {
         pending.erase(it);
       }
       run.stats.Record(scheduled, now, response.status_code(),
-                       response.status_code() == 0 ? &response : nullptr);
+                       response.status_code() == 0 ? &response.response() : nullptr);
     }
   });
   std::vector<v1::ScoreRequest> pool = run.pool;  // this writer's copies (request_id varies)
@@ -406,7 +418,7 @@ void OpenStream(Run& run, int stream_index, int streams) {
       std::lock_guard<std::mutex> lock(mu);
       pending.emplace(req.request_id(), at);
     }
-    if (!rw->Write(req)) break;  // the stream ended; Finish tells why
+    if (!WriteStreamRequest(*rw, req)) break;  // the stream ended; Finish tells why
   }
   rw->WritesDone();
   reader.join();

@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
     req.set_head(head);
     req.set_entropy(true);
     v1::Tensor* h = req.mutable_hidden();
-    h->set_dtype(v1::BFLOAT16);
+    h->set_dtype(v1::DATA_TYPE_BFLOAT16);
     h->add_shape(rows);
     h->add_shape(hidden);
     std::vector<uint16_t> bits(static_cast<size_t>(rows * hidden));
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
     for (uint16_t& b : bits) b = logitserve::kernels::FloatToBFloat16(normal(rng));
     h->set_data(bits.data(), bits.size() * sizeof(uint16_t));
     v1::Tensor* ids = req.mutable_target_ids();
-    ids->set_dtype(v1::INT32);
+    ids->set_dtype(v1::DATA_TYPE_INT32);
     ids->add_shape(rows);
     std::vector<int32_t> id_values(static_cast<size_t>(rows));
     for (int64_t i = 0; i < rows; ++i)

@@ -20,12 +20,12 @@ namespace logitserve::client {
 namespace {
 
 // The wire dtype of a safetensors dtype the wire carries (F32, BF16, F16, I32, I64).
-std::optional<v1::DType> WireDType(SafetensorsDType dtype) {
+std::optional<v1::DataType> WireDType(SafetensorsDType dtype) {
   if (const std::optional<kernels::FloatType> t = FloatTypeFromSafetensors(dtype)) {
     return wire::DTypeOf(*t);
   }
-  if (dtype == SafetensorsDType::kInt32) return v1::INT32;
-  if (dtype == SafetensorsDType::kInt64) return v1::INT64;
+  if (dtype == SafetensorsDType::kInt32) return v1::DATA_TYPE_INT32;
+  if (dtype == SafetensorsDType::kInt64) return v1::DATA_TYPE_INT64;
   return std::nullopt;
 }
 
@@ -33,7 +33,7 @@ std::optional<v1::DType> WireDType(SafetensorsDType dtype) {
 absl::Status CopyTensor(const SafetensorsFile& file, const std::string& name, bool integer,
                         int min_rank, int max_rank, v1::Tensor& out) {
   const SafetensorsTensor* t = file.Find(name);
-  const std::optional<v1::DType> dtype = WireDType(t->dtype);
+  const std::optional<v1::DataType> dtype = WireDType(t->dtype);
   if (!dtype.has_value() || wire::IsIndexDType(*dtype) != integer) {
     return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name, "' has dtype ",
                                                    SafetensorsDTypeName(t->dtype), "; expected ",

@@ -23,6 +23,7 @@
 #include "client/cli/input_file.h"
 #include "client/cli/output.h"
 #include "client/client.h"
+#include "common/version/build_info.h"
 
 namespace logitserve::client {
 namespace {
@@ -188,6 +189,8 @@ int Main(int argc, char** argv) {
       "Every value printed is in nats. Exit status: 0 ok, 1 server/connection error "
       "(health: not SERVING), 2 usage or input-file error."};
   app.require_subcommand(1);
+  app.set_version_flag("--version", VersionText("logitserve-cli"),
+                       "Print the version and commit of this client and exit");
   ConnectionFlags conn;
 
   CLI::App* health = app.add_subcommand("health", "grpc.health.v1 Check; prints the status");
@@ -286,7 +289,9 @@ int Main(int argc, char** argv) {
   }
   if (score->parsed()) return RunScore(conn, sf, *score);
   if (make->parsed()) {
-    mo.dtype = dtype == "f32" ? v1::FLOAT32 : dtype == "f16" ? v1::FLOAT16 : v1::BFLOAT16;
+    mo.dtype = dtype == "f32"   ? v1::DATA_TYPE_FLOAT32
+               : dtype == "f16" ? v1::DATA_TYPE_FLOAT16
+                                : v1::DATA_TYPE_BFLOAT16;
     if (absl::Status s = WriteDemoInput(mo); !s.ok()) return Fail(s, kExitUsageError);
     std::printf("wrote %s\n", mo.output.c_str());
     return 0;

@@ -189,7 +189,9 @@ nlohmann::ordered_json ScoreToJson(const ScoreOutput& out) {
 }
 
 std::string FormatHeadsTable(const ListHeadsOutput& heads) {
-  std::string s = fmt::format(
+  std::string s = fmt::format("# server logitserve {} (commit {})\n", heads.server_version,
+                              heads.server_git_commit);
+  s += fmt::format(
       "# backend {} | max top_k {} | max tokens per request {} | max message bytes {}\n",
       heads.backend, heads.max_top_k,
       heads.max_tokens_per_request > 0 ? fmt::format("{}", heads.max_tokens_per_request)
@@ -216,6 +218,8 @@ std::string FormatHeadsTable(const ListHeadsOutput& heads) {
 
 nlohmann::ordered_json HeadsToJson(const ListHeadsOutput& heads) {
   nlohmann::ordered_json j;
+  j["server_version"] = heads.server_version;
+  j["server_git_commit"] = heads.server_git_commit;
   j["backend"] = heads.backend;
   j["max_top_k"] = heads.max_top_k;
   j["max_tokens_per_request"] = heads.max_tokens_per_request;

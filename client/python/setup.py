@@ -1,14 +1,20 @@
 """Build of the logitserve Python package.
 
-The gRPC stubs (logitserve/v1/logitserve_pb2.py, logitserve_pb2_grpc.py) are generated at build
-time by protoc with Debian's grpc_python_plugin; they are never committed. The proto is found in
+The gRPC stubs (logitserve/v1/logitserve_pb2.py, logitserve_pb2_grpc.py) are generated from
+logitserve/v1/logitserve.proto and never committed. An sdist (and every wheel) ships them, so
+installing one needs no code generator. Building from the repository (or from a tree without
+stubs) generates them with the grpcio-tools package (`grpc_tools.protoc`, what pip / conda users
+have) when it is importable, else with protoc + grpc_python_plugin (Debian: protobuf-compiler
+protobuf-compiler-grpc; override with $PROTOC, $GRPC_PYTHON_PLUGIN). The proto is found in
 `protos/` (an sdist carries a copy there) or in the repository's `proto/` two levels up.
-Environment overrides: PROTOC, GRPC_PYTHON_PLUGIN.
+Without network, build with `pip install --no-build-isolation ...` (pip's isolated build would
+fetch setuptools).
 """
 
 import os
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -20,6 +26,8 @@ PROTO_ROOTS = [
     os.path.join(HERE, "protos"),  # inside an sdist
     os.path.join(HERE, "..", "..", "proto"),  # inside the repository
 ]
+STUBS = ("logitserve_pb2.py", "logitserve_pb2_grpc.py")
+SHIPPED_STUBS = os.path.join(HERE, "logitserve", "v1")
 
 
 def find_proto_root():
@@ -30,41 +38,59 @@ def find_proto_root():
         "cannot find %s in any of %s" % (PROTO_FILE, ", ".join(os.path.normpath(r) for r in PROTO_ROOTS)))
 
 
-def find_tool(env, name):
+def have_shipped_stubs():
+    return all(os.path.isfile(os.path.join(SHIPPED_STUBS, s)) for s in STUBS)
+
+
+def _system_tool(env, name):
     path = os.environ.get(env) or shutil.which(name)
     if not path and os.path.exists("/usr/bin/" + name):
         path = "/usr/bin/" + name
-    if not path:
-        raise RuntimeError(
-            "%s not found: install protoc and grpc_python_plugin (Debian: protobuf-compiler "
-            "protobuf-compiler-grpc) or set %s" % (name, env))
     return path
 
 
+def generate_stubs(out):
+    """Writes logitserve/v1/{__init__,logitserve_pb2,logitserve_pb2_grpc}.py under `out`."""
+    proto_root = find_proto_root()
+    proto = os.path.join(proto_root, PROTO_FILE)
+    try:
+        # grpcio-tools: protoc and the plugin in one package, matching the installed protobuf.
+        import grpc_tools  # noqa: F401
+        cmd = [sys.executable, "-m", "grpc_tools.protoc"]
+    except ImportError:
+        protoc = _system_tool("PROTOC", "protoc")
+        plugin = _system_tool("GRPC_PYTHON_PLUGIN", "grpc_python_plugin")
+        if not (protoc and plugin):
+            raise RuntimeError(
+                "cannot generate the gRPC stubs: install grpcio-tools (pip), or protoc and "
+                "grpc_python_plugin (Debian: protobuf-compiler protobuf-compiler-grpc), or build "
+                "from an sdist, which ships them") from None
+        cmd = [protoc, "--plugin=protoc-gen-grpc_python=" + plugin]
+    subprocess.check_call(cmd + ["--proto_path=" + proto_root, "--python_out=" + out,
+                                 "--grpc_python_out=" + out, proto])
+    with open(os.path.join(out, "logitserve", "v1", "__init__.py"), "w") as f:
+        f.write("# Generated gRPC stubs of logitserve.v1 (see setup.py).\n")
+
+
 class BuildPyWithStubs(build_py):
-    """build_py that also writes the generated stubs into the build tree."""
+    """build_py that also puts the stubs into the build tree: the shipped ones, else generated."""
 
     def run(self):
         super().run()
-        out = self.build_lib
-        proto_root = find_proto_root()
-        protoc = find_tool("PROTOC", "protoc")
-        plugin = find_tool("GRPC_PYTHON_PLUGIN", "grpc_python_plugin")
-        subprocess.check_call([
-            protoc,
-            "--proto_path=" + proto_root,
-            "--python_out=" + out,
-            "--grpc_python_out=" + out,
-            "--plugin=protoc-gen-grpc_python=" + plugin,
-            os.path.join(proto_root, PROTO_FILE),
-        ])
-        init = os.path.join(out, "logitserve", "v1", "__init__.py")
-        with open(init, "w") as f:
-            f.write("# Generated gRPC stubs of logitserve.v1 (see setup.py).\n")
+        dst = os.path.join(self.build_lib, "logitserve", "v1")
+        if have_shipped_stubs():
+            os.makedirs(dst, exist_ok=True)
+            for name in STUBS + ("__init__.py",):
+                src = os.path.join(SHIPPED_STUBS, name)
+                if os.path.isfile(src):
+                    shutil.copyfile(src, os.path.join(dst, name))
+        else:
+            generate_stubs(self.build_lib)
 
 
-class SdistWithProtos(sdist):
-    """sdist that carries the proto (it lives outside this folder in the repository)."""
+class SdistWithProtosAndStubs(sdist):
+    """sdist that carries the proto (it lives outside this folder in the repository) and the
+    generated stubs (so installing the sdist needs no code generator)."""
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
@@ -72,6 +98,15 @@ class SdistWithProtos(sdist):
         dst = os.path.join(base_dir, "protos", PROTO_FILE)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copyfile(src, dst)
+        os.makedirs(os.path.join(base_dir, "logitserve", "v1"), exist_ok=True)
+        if have_shipped_stubs():
+            for name in STUBS + ("__init__.py",):
+                shutil.copyfile(os.path.join(SHIPPED_STUBS, name),
+                                os.path.join(base_dir, "logitserve", "v1", name))
+        else:
+            generate_stubs(base_dir)
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtos})
+# logitserve.v1 (the stubs) is a package of its own once shipped; otherwise build_py writes it.
+setup(packages=["logitserve"] + (["logitserve.v1"] if have_shipped_stubs() else []),
+      cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtosAndStubs})

@@ -1,6 +1,7 @@
 // ScorerService::LoadHead: the streaming head upload (admin role), on gRPC's callback API.
 //
-// Protocol (proto: LoadHeadChunk / HeadSpec): the first chunk carries the spec; weight bytes
+// Protocol (proto: LoadHeadRequest / HeadSpec / LoadHeadResponse): the first chunk carries the
+// spec; weight bytes
 // ([vocab, hidden] row-major in spec.dtype) then bias bytes ([vocab] in spec.dtype, only when
 // spec.has_bias) follow in order, split over chunks any way the client likes.
 //
@@ -71,10 +72,10 @@ constexpr uint64_t kMaxExplicitVersion = (uint64_t{1} << 63) - 1;
 // ValidateHeadTransform to judge (negative, NaN and inf are rejected there).
 float OrNone(float value, float none) { return value == 0.0f ? none : value; }
 
-class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> {
+class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadRequest> {
  public:
-  LoadHeadReactor(grpc::CallbackServerContext* context, v1::HeadInfo* response, Backend* backend,
-                  HeadStore* heads, const ServiceOptions& options)
+  LoadHeadReactor(grpc::CallbackServerContext* context, v1::LoadHeadResponse* response,
+                  Backend* backend, HeadStore* heads, const ServiceOptions& options)
       : context_(context),
         response_(response),
         backend_(backend),
@@ -111,17 +112,17 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
 
  private:
   // Validates one chunk against what came before and appends its bytes.
-  absl::Status Accept(const v1::LoadHeadChunk& chunk) {
+  absl::Status Accept(const v1::LoadHeadRequest& chunk) {
     if (!started_) {
       if (!chunk.has_spec()) {
         return absl::InvalidArgumentError(
-            "spec: required on the first LoadHeadChunk (name, sizes, dtype of the upload)");
+            "spec: required on the first LoadHeadRequest (name, sizes, dtype of the upload)");
       }
       if (absl::Status s = Start(chunk.spec()); !s.ok()) return s;
       started_ = true;
     } else if (chunk.has_spec()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "spec: only the first LoadHeadChunk may carry it (head \"", head_->name, "\")"));
+          "spec: only the first LoadHeadRequest may carry it (head \"", head_->name, "\")"));
     }
     const std::string& weight = chunk.weight_data();
     const std::string& bias = chunk.bias_data();
@@ -241,7 +242,7 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
   void StartInstall() {
     if (!started_) {
       FinishWith(
-          absl::InvalidArgumentError("spec: the upload ended before its first LoadHeadChunk"));
+          absl::InvalidArgumentError("spec: the upload ended before its first LoadHeadRequest"));
       return;
     }
     try {
@@ -331,7 +332,7 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
       absl::StatusOr<std::shared_ptr<const PreparedHead>> old = heads_->Replace(*prepared);
       if (!old.ok()) return old.status();
     }
-    ScorerService::FillHeadInfo((*prepared)->weights(), *backend_, response_);
+    ScorerService::FillHeadInfo((*prepared)->weights(), *backend_, response_->mutable_head());
     return absl::OkStatus();
   }
 
@@ -350,14 +351,14 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
   }
 
   grpc::CallbackServerContext* const context_;
-  v1::HeadInfo* const response_;
+  v1::LoadHeadResponse* const response_;
   Backend* const backend_;
   HeadStore* const heads_;
   const ServiceOptions& options_;
   const std::chrono::steady_clock::time_point start_;
 
-  v1::LoadHeadChunk chunk_;  // the message being read
-  bool started_ = false;     // the spec was accepted
+  v1::LoadHeadRequest chunk_;  // the message being read
+  bool started_ = false;       // the spec was accepted
   std::shared_ptr<HeadWeights> head_;
   uint64_t requested_version_ = 0;
   bool has_bias_ = false;
@@ -368,8 +369,8 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadChunk> 
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::LoadHeadChunk>* ScorerService::LoadHead(
-    grpc::CallbackServerContext* context, v1::HeadInfo* response) {
+grpc::ServerReadReactor<v1::LoadHeadRequest>* ScorerService::LoadHead(
+    grpc::CallbackServerContext* context, v1::LoadHeadResponse* response) {
   return new LoadHeadReactor(context, response, backend_, heads_, options_);
 }
 

@@ -9,7 +9,6 @@
 // device error (Backend::Health): NOT_SERVING, in-flight work fails with UNAVAILABLE, exit 3 so
 // the orchestrator restarts the process. Logs go to stderr; stdout carries only the
 // `logitserve metrics on` and `logitserve listening on` lines.
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <malloc.h>
@@ -28,8 +27,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/version/build_info.h"
 #include "server/backend/backend.h"
 #include "server/backend/fault_injection.h"
 #if LOGITSERVE_HAVE_CUDA
@@ -39,6 +40,7 @@
 #include "server/heads/head_store.h"
 #include "server/service/auth.h"
 #include "server/service/metrics.h"
+#include "server/service/reflection.h"
 #include "server/service/service.h"
 #include "server/service/shm_registry.h"
 #include "server/service/shutdown_signals.h"
@@ -57,6 +59,7 @@ constexpr int kExitDeviceFault = 3;
 // In-flight work was abandoned: the drain deadline passed, or a second signal ended the drain.
 constexpr int kExitWorkAbandoned = ShutdownSignals::kExitForced;
 constexpr const char* kServiceName = "logitserve.v1.Scorer";
+constexpr const char* kHealthServiceName = "grpc.health.v1.Health";
 
 struct Flags {
   std::string listen = "127.0.0.1:50051";
@@ -285,6 +288,20 @@ void AddGaugeSources(const Backend* backend, const HeadStore* heads, Metrics& me
         }
         return values;
       });
+  metrics.AddGaugeSource(
+      "logitserve_build_info",
+      "Always 1; the labels say what is running (version, commit, serving backend, CUDA / NCCL "
+      "versions built against, empty without CUDA).",
+      [backend] {
+        const BuildInfo& build = GetBuildInfo();
+        return std::vector<Metrics::LabeledValue>{
+            {{{"version", std::string(build.version)},
+              {"git_commit", std::string(build.git_commit)},
+              {"backend", backend->name()},
+              {"cuda_version", std::string(build.cuda_version)},
+              {"nccl_version", std::string(build.nccl_version)}},
+             1.0}};
+      });
   metrics.AddGaugeSource("logitserve_head_version", "Version of each served head.", [heads] {
     std::vector<Metrics::LabeledValue> values;
     for (const std::shared_ptr<const PreparedHead>& head : heads->List()) {
@@ -373,8 +390,8 @@ BackendChoice CreateBackend(const Flags& flags) {
       return {CreateCudaBackend(options)};
     }
     if (flags.backend == "cuda") {
-      return {absl::FailedPreconditionError(absl::StrCat(
-                  "--backend cuda: no usable GPU: ", usable.message())),
+      return {absl::FailedPreconditionError(
+                  absl::StrCat("--backend cuda: no usable GPU: ", usable.message())),
               kExitNoCuda};
     }
     spdlog::warn("--backend auto: {}; using the CPU backend", std::string(usable.message()));
@@ -428,6 +445,9 @@ int Run(int argc, char** argv) {
   AddFlags(app, flags);
   ServingFlags serving;
   AddServingFlags(app, serving);
+  app.set_version_flag("--version", VersionText("logitserve"),
+                       "Print the version, commit and compiled-in backends (CUDA / NCCL versions) "
+                       "and exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -439,6 +459,14 @@ int Run(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
   ShutdownSignals signals;  // from here on, a signal ends the start-up at once
   signals.Start();
+  const BuildInfo& build = GetBuildInfo();
+  spdlog::info("logitserve {} (commit {}, {}); backends built: {}{}", std::string(build.version),
+               std::string(build.git_commit), std::string(build.build_type),
+               std::string(build.backends()),
+               build.cuda_version.empty()
+                   ? ""
+                   : absl::StrCat(" (CUDA ", build.cuda_version, ", NCCL ", build.nccl_version,
+                                  ", sm ", build.cuda_architectures, ")"));
 
   // TLS and token files first: a bad file fails in milliseconds, before heads are loaded.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -536,7 +564,7 @@ int Run(int argc, char** argv) {
   }
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  ReflectionServices reflection({kServiceName, kHealthServiceName});
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, *credentials, &port);
@@ -553,6 +581,7 @@ int Run(int argc, char** argv) {
   quota.Resize(static_cast<size_t>(quota_bytes));
   builder.SetResourceQuota(quota);
   builder.RegisterService(&service);
+  reflection.RegisterWith(builder);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     spdlog::error("cannot listen on {} (address in use by another server, or not local?)",
@@ -562,6 +591,7 @@ int Run(int argc, char** argv) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
+  metrics.SetReadiness(Metrics::Readiness::kServing);
   const std::string address = HostOf(flags.listen) + ":" + std::to_string(port);
   spdlog::info("serving {} head(s) on {}", heads.List().size(), address);
   if (metrics_http != nullptr) {
@@ -588,6 +618,8 @@ int Run(int argc, char** argv) {
     if (!fatal_status.ok()) break;
   }
   health->SetServingStatus(false);
+  metrics.SetReadiness(fatal_status.ok() ? Metrics::Readiness::kDraining
+                                         : Metrics::Readiness::kFailed);
   service.StartDraining();
   if (!fatal_status.ok()) {
     // In-flight work fails fast (the scheduler answers UNAVAILABLE once the backend is unhealthy);

@@ -4,11 +4,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/service/process_stats.h"
 
 namespace logitserve {
 namespace {
@@ -114,6 +116,31 @@ void AppendScalar(std::string& out, absl::string_view name, absl::string_view he
                   absl::string_view type, int64_t value) {
   AppendHeader(out, name, help, type);
   absl::StrAppend(&out, name, " ", value, "\n");
+}
+
+void AppendOptional(std::string& out, absl::string_view name, absl::string_view help,
+                    std::optional<double> value) {
+  if (!value.has_value()) return;
+  AppendHeader(out, name, help, "gauge");
+  absl::StrAppend(&out, name, " ", FormatValue(*value), "\n");
+}
+
+// The standard process_* families (unprefixed: dashboards and alerts written for any service use
+// these names).
+void AppendProcessMetrics(std::string& out) {
+  const ProcessStats stats = ReadProcessStats();
+  AppendHeader(out, "process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+               "counter");
+  absl::StrAppend(&out, "process_cpu_seconds_total ", FormatValue(stats.cpu_seconds), "\n");
+  AppendOptional(out, "process_resident_memory_bytes", "Resident memory size in bytes.",
+                 stats.resident_memory_bytes);
+  AppendOptional(out, "process_virtual_memory_bytes", "Virtual memory size in bytes.",
+                 stats.virtual_memory_bytes);
+  AppendOptional(out, "process_open_fds", "Number of open file descriptors.", stats.open_fds);
+  AppendOptional(out, "process_max_fds", "Maximum number of open file descriptors.", stats.max_fds);
+  AppendOptional(out, "process_start_time_seconds",
+                 "Start time of the process since unix epoch in seconds.",
+                 stats.start_time_seconds);
 }
 
 }  // namespace
@@ -269,6 +296,8 @@ std::string Metrics::RenderPrometheus() const {
                "counter", call_states_created());
   AppendScalar(out, "logitserve_call_states_released_total", "Per-RPC state objects released.",
                "counter", call_states_released());
+
+  AppendProcessMetrics(out);
 
   absl::ReaderMutexLock lock(&sources_mu_);
   for (const GaugeSource& g : sources_) {

@@ -11,7 +11,10 @@
 //   logitserve_queue_depth                        gauge      requests waiting for compute
 //   logitserve_call_states_created_total /        counter    per-RPC state objects; equal when
 //     _released_total                                         nothing leaked and nothing is live
-//   plus gauges computed at scrape time (AddGaugeSource): device memory, head versions, ...
+//   plus gauges computed at scrape time (AddGaugeSource): device memory, head versions, build
+//   info, ...; and the standard process_* families (process_stats.h: CPU seconds, resident and
+//   virtual memory, open and max fds, start time), unprefixed as every Prometheus client names
+//   them.
 //
 // Thread safety: every method may be called from any thread at any time. Counters and gauges are
 // atomics; each histogram and the requests_total table have their own mutex (held for a few
@@ -107,7 +110,14 @@ class Metrics {
   // Every metric in the Prometheus text exposition format 0.0.4.
   std::string RenderPrometheus() const;
 
+  // What the HTTP probes report (MetricsHttpServer): /healthz answers 200 unless kFailed (a fatal
+  // device error: restart me), /readyz 200 only while kServing (heads loaded, not draining).
+  enum class Readiness { kStarting, kServing, kDraining, kFailed };
+  void SetReadiness(Readiness readiness) { readiness_.store(readiness); }
+  Readiness readiness() const { return readiness_.load(); }
+
  private:
+  std::atomic<Readiness> readiness_{Readiness::kStarting};
   std::atomic<int64_t> tokens_scored_{0};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> queue_depth_{0};
@@ -135,10 +145,12 @@ class Metrics {
 // The canonical name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...; "CODE_<n>" otherwise).
 absl::string_view GrpcCodeName(grpc::StatusCode code);
 
-// Serves GET /metrics (Content-Type text/plain; version=0.0.4) from `metrics` on one thread of
-// its own that multiplexes every connection (metrics_http.cc: slow or idle clients never block a
-// scrape); any other path is 404. Thread safety: Start and the destructor from one thread; port()
-// from any thread.
+// Serves GET /metrics (Content-Type text/plain; version=0.0.4) from `metrics`, and the probes
+// GET /healthz (200 "ok" unless the device failed: 503) and /readyz (200 "ok" only while serving,
+// else 503 with the state), from Metrics::readiness(), for load balancers and non-gRPC
+// orchestrators; any other path is 404. One thread of its own multiplexes every connection
+// (metrics_http.cc: slow or idle clients never block a scrape or a probe). Thread safety: Start
+// and the destructor from one thread; port() from any thread.
 class MetricsHttpServer {
  public:
   // Binds `host_port` ("HOST:PORT", "[::1]:PORT"; port 0 picks a free port) and starts serving.

@@ -1,4 +1,5 @@
-// MetricsHttpServer (declared in metrics.h): GET /metrics over HTTP/1.1 from one thread.
+// MetricsHttpServer (declared in metrics.h): GET /metrics, /healthz and /readyz over HTTP/1.1
+// from one thread.
 //
 // Why not a thread per connection (cpp-httplib's model): a handful of clients that send half a
 // request, or hold idle keep-alive connections, occupy every worker until their timeouts and no
@@ -34,8 +35,21 @@
 #include "server/service/metrics.h"
 
 namespace logitserve {
-
 namespace {
+
+const char* ReadinessText(Metrics::Readiness readiness) {
+  switch (readiness) {
+    case Metrics::Readiness::kServing:
+      return "ok\n";
+    case Metrics::Readiness::kStarting:
+      return "starting\n";
+    case Metrics::Readiness::kDraining:
+      return "draining\n";
+    case Metrics::Readiness::kFailed:
+      return "failed: fatal device error\n";
+  }
+  return "unknown\n";
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -70,12 +84,29 @@ std::string Respond(absl::string_view head, const Metrics& metrics) {
   const absl::string_view method = line.substr(0, sp1);
   absl::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
   target = target.substr(0, target.find('?'));
-  if (target != "/metrics") return Answer(404, "Not Found", "text/plain", "not found\n");
+  if (target != "/metrics" && target != "/healthz" && target != "/readyz") {
+    return Answer(404, "Not Found", "text/plain", "not found\n");
+  }
   if (method != "GET" && method != "HEAD") {
     return Answer(405, "Method Not Allowed", "text/plain", "only GET\n");
   }
-  std::string answer =
-      Answer(200, "OK", "text/plain; version=0.0.4; charset=utf-8", metrics.RenderPrometheus());
+  std::string answer;
+  if (target == "/metrics") {
+    answer =
+        Answer(200, "OK", "text/plain; version=0.0.4; charset=utf-8", metrics.RenderPrometheus());
+  } else if (target == "/healthz") {
+    // Alive unless the device failed (the process is about to exit 3 for a restart).
+    const bool failed = metrics.readiness() == Metrics::Readiness::kFailed;
+    answer = failed ? Answer(503, "Service Unavailable", "text/plain",
+                             ReadinessText(Metrics::Readiness::kFailed))
+                    : Answer(200, "OK", "text/plain", "ok\n");
+  } else {
+    // Ready only while serving: starting (heads loading), draining and failed are 503.
+    const Metrics::Readiness readiness = metrics.readiness();
+    answer = readiness == Metrics::Readiness::kServing
+                 ? Answer(200, "OK", "text/plain", ReadinessText(readiness))
+                 : Answer(503, "Service Unavailable", "text/plain", ReadinessText(readiness));
+  }
   if (method == "HEAD") answer.resize(answer.find("\r\n\r\n") + 4);
   return answer;
 }

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/version/build_info.h"
 #include "common/wire/dtype.h"
 #include "server/service/client_text.h"
 #include "server/service/held_bytes.h"
@@ -287,9 +288,9 @@ class ScorerService::StreamReactor final
       return;
     }
     ++messages_read_;
-    auto parsed = std::make_shared<v1::ScoreRequest>();
+    auto parsed = std::make_shared<v1::ScoreStreamRequest>();
     const grpc::Status parse =
-        grpc::SerializationTraits<v1::ScoreRequest>::Deserialize(&reading_, parsed.get());
+        grpc::SerializationTraits<v1::ScoreStreamRequest>::Deserialize(&reading_, parsed.get());
     reading_.Clear();
     {
       absl::MutexLock lock(&mu_);
@@ -297,10 +298,10 @@ class ScorerService::StreamReactor final
     }
     if (!parse.ok()) {
       // Answered like any failed request (no request_id: it could not be read); the stream goes on.
-      auto response = std::make_unique<v1::ScoreResponse>();
+      auto response = std::make_unique<v1::ScoreStreamResponse>();
       const absl::Status status = absl::InvalidArgumentError(
           absl::StrCat("ScoreStream message ", messages_read_,
-                       " is not a valid logitserve.v1.ScoreRequest (it does not parse)"));
+                       " is not a valid logitserve.v1.ScoreStreamRequest (it does not parse)"));
       response->set_status_code(static_cast<int32_t>(status.code()));
       response->set_status_message(std::string(status.message()));
       service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
@@ -317,23 +318,25 @@ class ScorerService::StreamReactor final
       Run(a);
       return;
     }
-    std::shared_ptr<const v1::ScoreRequest> request = std::move(parsed);
-    const int64_t admitted =
-        service_->Submit(context_, *request,
-                         [this, request](absl::Status status, const ScoreResult& result,
-                                         const ScoreJob& job, const ValidatedRequest& validated,
-                                         const Scheduler::Timing& timing, int64_t admitted_bytes) {
-                           auto response = std::make_unique<v1::ScoreResponse>();
-                           if (status.ok()) {
-                             FillResponse(*request, job, validated, result, timing, response.get());
-                           } else {
-                             response->set_request_id(request->request_id());
-                             response->set_status_code(static_cast<int32_t>(status.code()));
-                             response->set_status_message(CapMessage(status.message()));
-                           }
-                           service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
-                           Completed(std::move(response), admitted_bytes);
-                         });
+    // The stream message owns the request, so it lives until `done` has run.
+    std::shared_ptr<const v1::ScoreStreamRequest> message = std::move(parsed);
+    const int64_t admitted = service_->Submit(
+        context_, message->request(),
+        [this, message](absl::Status status, const ScoreResult& result, const ScoreJob& job,
+                        const ValidatedRequest& validated, const Scheduler::Timing& timing,
+                        int64_t admitted_bytes) {
+          const v1::ScoreRequest& request = message->request();
+          auto response = std::make_unique<v1::ScoreStreamResponse>();
+          response->set_request_id(request.request_id());
+          if (status.ok()) {
+            FillResponse(request, job, validated, result, timing, response->mutable_response());
+          } else {
+            response->set_status_code(static_cast<int32_t>(status.code()));
+            response->set_status_message(CapMessage(status.message()));
+          }
+          service_->RecordRequest("ScoreStream", ToGrpcStatus(status));
+          Completed(std::move(response), admitted_bytes);
+        });
     Actions a;
     {
       absl::MutexLock lock(&mu_);
@@ -380,21 +383,23 @@ class ScorerService::StreamReactor final
 
   // Runs on a scheduler worker from the request's `done` (or inline when it was refused), before
   // the scheduler releases the request's own bytes: the response's bytes are handed over.
-  void Completed(std::unique_ptr<v1::ScoreResponse> response, int64_t admitted_bytes) {
+  void Completed(std::unique_ptr<v1::ScoreStreamResponse> response, int64_t admitted_bytes) {
     // Serialized here, outside the lock: the message is freed at once, and the bytes held until
     // the write are exactly the buffer's.
     auto buffer = std::make_unique<grpc::ByteBuffer>();
     bool own = false;
     bool serialized =
-        grpc::SerializationTraits<v1::ScoreResponse>::Serialize(*response, buffer.get(), &own).ok();
+        grpc::SerializationTraits<v1::ScoreStreamResponse>::Serialize(*response, buffer.get(), &own)
+            .ok();
     if (!serialized) {  // over protobuf's 2 GiB message limit (only raised limits get there)
-      v1::ScoreResponse failed;
+      v1::ScoreStreamResponse failed;
       failed.set_request_id(response->request_id());
       failed.set_status_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
       failed.set_status_message("the response is too large to serialize; split the request");
       buffer = std::make_unique<grpc::ByteBuffer>();
       serialized =
-          grpc::SerializationTraits<v1::ScoreResponse>::Serialize(failed, buffer.get(), &own).ok();
+          grpc::SerializationTraits<v1::ScoreStreamResponse>::Serialize(failed, buffer.get(), &own)
+              .ok();
     }
     response.reset();
     Actions a;
@@ -539,6 +544,15 @@ grpc::ServerUnaryReactor* ScorerService::ListHeads(grpc::CallbackServerContext* 
   response->set_max_top_k(static_cast<uint32_t>(options_.limits.max_top_k));
   response->set_max_tokens_per_request(options_.limits.max_tokens_per_request);
   response->set_max_receive_message_bytes(options_.max_receive_message_bytes);
+  const BuildInfo& build = GetBuildInfo();
+  v1::ServerInfo* info = response->mutable_server_info();
+  info->set_version(std::string(build.version));
+  info->set_git_commit(std::string(build.git_commit));
+  info->set_build_type(std::string(build.build_type));
+  info->set_backends(std::string(build.backends()));
+  info->set_cuda_version(std::string(build.cuda_version));
+  info->set_nccl_version(std::string(build.nccl_version));
+  info->set_cuda_architectures(std::string(build.cuda_architectures));
   RecordRequest("ListHeads", grpc::Status::OK);
   reactor->Finish(grpc::Status::OK);
   return reactor;

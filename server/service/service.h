@@ -83,8 +83,8 @@ class ScorerService final : public ScorerCallbackBase {
                                       const v1::ListHeadsRequest* request,
                                       v1::ListHeadsResponse* response) override;
   // Defined in load_head.cc.
-  grpc::ServerReadReactor<v1::LoadHeadChunk>* LoadHead(grpc::CallbackServerContext* context,
-                                                       v1::HeadInfo* response) override;
+  grpc::ServerReadReactor<v1::LoadHeadRequest>* LoadHead(grpc::CallbackServerContext* context,
+                                                         v1::LoadHeadResponse* response) override;
   // Defined in shared_memory_rpc.cc. Unregister answers once no request reads the region.
   grpc::ServerUnaryReactor* RegisterSharedMemory(
       grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,

@@ -292,7 +292,7 @@ absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
   job->ids_per_row = static_cast<int32_t>(k);
   job->target_ids.resize(n);
   const char* data = checked->bytes.data();
-  const bool is64 = t.dtype() == v1::INT64;
+  const bool is64 = t.dtype() == v1::DATA_TYPE_INT64;
   for (int64_t i = 0; i < n; ++i) {
     int64_t id;
     if (is64) {

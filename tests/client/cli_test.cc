@@ -12,8 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors/safetensors.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -103,7 +105,7 @@ std::vector<float> JsonFloats(const nlohmann::json& j, const char* key) {
 }
 
 // Tensor `name` of a safetensors file as a wire tensor of `dtype` (the file's bytes as they are).
-v1::Tensor FileTensor(const SafetensorsFile& f, const char* name, v1::DType dtype) {
+v1::Tensor FileTensor(const SafetensorsFile& f, const char* name, v1::DataType dtype) {
   v1::Tensor t;
   const SafetensorsTensor* st = f.Find(name);
   EXPECT_NE(st, nullptr) << name;
@@ -184,17 +186,33 @@ TEST_F(CliTest, HeadsTableAndJson) {
   CommandResult r = RunCli({"heads", "--target", Target()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("backend cpu"));
+  // The server's build: the same values as this test's own (one build tree).
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("# server logitserve ", build.version, " (commit ",
+                                            build.git_commit, ")")));
   EXPECT_THAT(r.out, HasSubstr("policy"));
   EXPECT_THAT(r.out, HasSubstr("reference"));
 
   r = RunCli({"heads", "--target", Target(), "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["server_version"], std::string(build.version));
+  EXPECT_EQ(j["server_git_commit"], std::string(build.git_commit));
   ASSERT_EQ(j["heads"].size(), 2u);
   for (const nlohmann::json& h : j["heads"]) {
     EXPECT_EQ(h["vocab_size"], kVocab);
     EXPECT_EQ(h["hidden_size"], kHidden);
   }
+}
+
+TEST(CliVersionTest, VersionFlagPrintsVersionAndCommit) {
+  const CommandResult r = RunCli({"--version"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_EQ(r.out, VersionText("logitserve-cli") + "\n");
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("logitserve-cli ", build.version, " (commit ",
+                                            build.git_commit, ", ")));
+  EXPECT_THAT(r.out, HasSubstr("backends: cpu"));
 }
 
 TEST_F(CliTest, MakeInputIsDeterministic) {
@@ -241,9 +259,10 @@ TEST_F(CliTest, ScoreJsonMatchesFp64) {
   auto file = SafetensorsFile::Open(input);
   ASSERT_TRUE(file.ok()) << file.status();
   v1::ScoreRequest request;
-  *request.mutable_logits() = FileTensor(*file, "logits", v1::FLOAT32);
-  *request.mutable_reference_logits() = FileTensor(*file, "reference_logits", v1::FLOAT32);
-  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::INT32);
+  *request.mutable_logits() = FileTensor(*file, "logits", v1::DATA_TYPE_FLOAT32);
+  *request.mutable_reference_logits() =
+      FileTensor(*file, "reference_logits", v1::DATA_TYPE_FLOAT32);
+  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::DATA_TYPE_INT32);
   request.set_temperature(2.0f);
   request.set_top_k(3);
   request.set_entropy(true);
@@ -280,9 +299,10 @@ TEST_F(CliTest, ScoreJsonOfFloat16HiddenInputMatchesFp64) {
   v1::ScoreRequest request;
   request.set_head("policy");
   request.set_reference_head("reference");
-  *request.mutable_hidden() = FileTensor(*file, "hidden", v1::FLOAT16);
-  *request.mutable_reference_hidden() = FileTensor(*file, "reference_hidden", v1::FLOAT16);
-  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::INT32);
+  *request.mutable_hidden() = FileTensor(*file, "hidden", v1::DATA_TYPE_FLOAT16);
+  *request.mutable_reference_hidden() =
+      FileTensor(*file, "reference_hidden", v1::DATA_TYPE_FLOAT16);
+  *request.mutable_target_ids() = FileTensor(*file, "target_ids", v1::DATA_TYPE_INT32);
   request.set_top_k(4);
   request.set_entropy(true);
   request.set_reverse_kl(true);

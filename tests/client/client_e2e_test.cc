@@ -159,7 +159,7 @@ TEST_F(ClientE2ETest, ListHeadsDescribesEveryHead) {
   ASSERT_EQ(by_name.size(), 3u);
   EXPECT_EQ(by_name["policy"].vocab_size, kVocab);
   EXPECT_EQ(by_name["policy"].hidden_size, kHidden);
-  EXPECT_EQ(by_name["policy"].dtype, v1::BFLOAT16);
+  EXPECT_EQ(by_name["policy"].dtype, v1::DATA_TYPE_BFLOAT16);
   EXPECT_GE(by_name["policy"].version, 1u);
   EXPECT_THAT(by_name["reference"].source, HasSubstr(head_file_));
   EXPECT_EQ(by_name["synth"].vocab_size, 100);

@@ -25,7 +25,7 @@ std::vector<float> Iota(int64_t n, float start = 0.0f) {
 TEST(TensorTest, BuildersPackLittleEndianBytesAndShape) {
   const std::vector<float> f = {1.0f, -2.5f, 3.25f, 0.0f, 5.0f, 6.0f};
   const v1::Tensor t = TensorOf(f, {2, 3});
-  EXPECT_EQ(t.dtype(), v1::FLOAT32);
+  EXPECT_EQ(t.dtype(), v1::DATA_TYPE_FLOAT32);
   EXPECT_THAT(t.shape(), ElementsAre(2, 3));
   ASSERT_EQ(t.data().size(), 24u);
   float back[6];
@@ -34,7 +34,7 @@ TEST(TensorTest, BuildersPackLittleEndianBytesAndShape) {
   EXPECT_TRUE(CheckTensor(t, "hidden").ok());
 
   const std::vector<int32_t> ids = {7, -100};
-  EXPECT_EQ(TensorOf(ids, {2}).dtype(), v1::INT32);
+  EXPECT_EQ(TensorOf(ids, {2}).dtype(), v1::DATA_TYPE_INT32);
   EXPECT_EQ(*IntsOf(TensorOf(ids, {2})), (std::vector<int64_t>{7, -100}));
   const std::vector<int64_t> ids64 = {1, 2, 3};
   EXPECT_EQ(*IntsOf(TensorOf(ids64, {3})), ids64);
@@ -45,7 +45,7 @@ TEST(TensorTest, BFloat16RoundsToNearestEvenAndUpcastsExactly) {
   // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even gives 1 + 2^-6.
   const std::vector<float> f = {1.0f + 0x1.0p-8f, 1.0f + 3 * 0x1.0p-8f, -3.0f, 0.15625f};
   const v1::Tensor t = BFloat16TensorOf(f, {4});
-  EXPECT_EQ(t.dtype(), v1::BFLOAT16);
+  EXPECT_EQ(t.dtype(), v1::DATA_TYPE_BFLOAT16);
   EXPECT_EQ(t.data().size(), 8u);
   EXPECT_EQ(*FloatsOf(t), (std::vector<float>{1.0f, 1.0f + 0x1.0p-6f, -3.0f, 0.15625f}));
 }

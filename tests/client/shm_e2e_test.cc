@@ -88,9 +88,9 @@ v1::ScoreRequest BytesRequest(const Inputs& in, int64_t rows) {
 v1::ScoreRequest ShmRequest(const std::string& region, int64_t rows) {
   v1::ScoreRequest req;
   req.set_head(kHead.name);
-  *req.mutable_hidden() = SharedMemoryTensor(region, 0, v1::BFLOAT16, {rows, kHead.hidden});
+  *req.mutable_hidden() = SharedMemoryTensor(region, 0, v1::DATA_TYPE_BFLOAT16, {rows, kHead.hidden});
   *req.mutable_target_ids() =
-      SharedMemoryTensor(region, rows * kHead.hidden * 2, v1::INT32, {rows});
+      SharedMemoryTensor(region, rows * kHead.hidden * 2, v1::DATA_TYPE_INT32, {rows});
   req.set_entropy(true);
   req.set_top_k(5);
   return req;
@@ -193,7 +193,7 @@ TEST_F(SharedMemoryE2ETest, LogitsFromSharedMemoryMatchBytes) {
   by_bytes.set_forward_kl(true);
   by_bytes.set_entropy(true);
   v1::ScoreRequest by_shm = by_bytes;
-  *by_shm.mutable_logits() = SharedMemoryTensor(name, 4096, v1::FLOAT32, {kRows, kVocab});
+  *by_shm.mutable_logits() = SharedMemoryTensor(name, 4096, v1::DATA_TYPE_FLOAT32, {kRows, kVocab});
   by_shm.mutable_logits()->mutable_shared_memory()->set_byte_size(logits.size() * 4);
 
   absl::StatusOr<ScoreOutput> want = client_->Score(by_bytes);
@@ -246,7 +246,7 @@ TEST_F(SharedMemoryE2ETest, WrongDtypeOrSizeIsRefused) {
   ASSERT_NE(shm, nullptr);
 
   v1::ScoreRequest float_ids = ShmRequest(name, kRows);
-  float_ids.mutable_target_ids()->set_dtype(v1::FLOAT32);
+  float_ids.mutable_target_ids()->set_dtype(v1::DATA_TYPE_FLOAT32);
   absl::Status s = client_->Score(float_ids).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("target_ids: dtype"));

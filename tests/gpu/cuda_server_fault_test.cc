@@ -38,7 +38,8 @@ void ExpectFaultEndsTheServer(const std::string& fault) {
   // more than one row tile (and so more than one gather) for the fault to bite.
   const int64_t rows = 1100;
   std::vector<float> hidden(static_cast<size_t>(rows * e2e::kPolicy.hidden), 0.25f);
-  *request.mutable_hidden() = testing::FloatTensor(v1::BFLOAT16, hidden, {rows, e2e::kPolicy.hidden});
+  *request.mutable_hidden() =
+      testing::FloatTensor(v1::DATA_TYPE_BFLOAT16, hidden, {rows, e2e::kPolicy.hidden});
   request.set_entropy(true);
   v1::ScoreResponse response;
   const grpc::Status status = e2e::CallScore(*stub, request, &response);

@@ -155,10 +155,11 @@ class HfHeadE2eTest : public ::testing::Test {
     v1::ScoreRequest r;
     r.set_request_id(head);
     r.set_head(head);
-    *r.mutable_hidden() = FloatTensor(v1::BFLOAT16, Normal(n * kHidden, seed, 1.0f), {n, kHidden});
+    *r.mutable_hidden() =
+        FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * kHidden, seed, 1.0f), {n, kHidden});
     std::vector<int64_t> ids(n * 2);
     for (int64_t i = 0; i < n * 2; ++i) ids[i] = (i * 977 + seed) % kVocab;
-    *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {n, 2});
+    *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {n, 2});
     r.set_top_k(5);
     r.set_entropy(true);
     return r;
@@ -188,7 +189,7 @@ TEST_F(HfHeadE2eTest, ListHeadsReportsTheConfig) {
   const v1::HeadInfo& combo = by_name["combo"];
   EXPECT_EQ(combo.vocab_size(), kVocab);
   EXPECT_EQ(combo.hidden_size(), kHidden);
-  EXPECT_EQ(combo.dtype(), v1::BFLOAT16);
+  EXPECT_EQ(combo.dtype(), v1::DATA_TYPE_BFLOAT16);
   EXPECT_TRUE(combo.has_bias());
   EXPECT_EQ(combo.logit_scale(), 1.5f);
   EXPECT_EQ(combo.logits_scaling(), 1.0f);
@@ -197,13 +198,13 @@ TEST_F(HfHeadE2eTest, ListHeadsReportsTheConfig) {
   EXPECT_THAT(combo.source(), HasSubstr(heads_[0].dir));
   EXPECT_THAT(combo.source(), HasSubstr(":lm_head.weight"));
   const v1::HeadInfo& granite = by_name["granite"];
-  EXPECT_EQ(granite.dtype(), v1::FLOAT32);
+  EXPECT_EQ(granite.dtype(), v1::DATA_TYPE_FLOAT32);
   EXPECT_TRUE(granite.has_bias());
   EXPECT_EQ(granite.logit_scale(), 1.0f);
   EXPECT_EQ(granite.logits_scaling(), 0.5f);
   EXPECT_EQ(granite.final_logit_softcapping(), 3.0f);
   const v1::HeadInfo& tied = by_name["tied"];
-  EXPECT_EQ(tied.dtype(), v1::FLOAT16);
+  EXPECT_EQ(tied.dtype(), v1::DATA_TYPE_FLOAT16);
   EXPECT_FALSE(tied.has_bias());
   EXPECT_THAT(tied.source(), HasSubstr(":model.embed_tokens.weight"));
 }
@@ -221,7 +222,7 @@ TEST_F(HfHeadE2eTest, DivergencesBetweenTransformedHeads) {
   v1::ScoreRequest r = Request("combo", 6, 7);
   r.set_reference_head("granite");
   *r.mutable_reference_hidden() =
-      FloatTensor(v1::FLOAT32, Normal(6 * kHidden, 8, 1.0f), {6, kHidden});
+      FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(6 * kHidden, 8, 1.0f), {6, kHidden});
   r.set_reference_entropy(true);
   r.set_forward_kl(true);
   r.set_reverse_kl(true);

@@ -26,7 +26,7 @@ std::vector<int32_t> IdsOf(const v1::Tensor& t) {
   for (int64_t d : t.shape()) n *= d;
   std::vector<int32_t> ids(n);
   for (int64_t i = 0; i < n; ++i) {
-    if (t.dtype() == v1::INT64) {
+    if (t.dtype() == v1::DATA_TYPE_INT64) {
       int64_t v;
       std::memcpy(&v, t.data().data() + 8 * i, 8);
       ids[i] = static_cast<int32_t>(v);

@@ -16,9 +16,11 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/descriptor.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1/reflection.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
@@ -88,8 +90,8 @@ v1::ScoreRequest SmallValidRequest(int64_t n = 4) {
   r.set_request_id("valid");
   r.set_head(kPolicy.name);
   *r.mutable_hidden() =
-      FloatTensor(v1::BFLOAT16, Normal(n * kPolicy.hidden, 1), {n, kPolicy.hidden});
-  *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n, kPolicy.vocab, 2), {n});
+      FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * kPolicy.hidden, 1), {n, kPolicy.hidden});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, RandomIds(n, kPolicy.vocab, 2), {n});
   r.set_entropy(true);
   return r;
 }
@@ -138,34 +140,90 @@ TEST_F(ScorerE2eTest, HealthIsServing) {
   EXPECT_EQ(health->Check(&context, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
-TEST_F(ScorerE2eTest, ReflectionListsAndDescribesTheService) {
-  auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(server_->channel());
+// Both reflection versions (grpcurl and grpc-js ask for v1, older tools for v1alpha) list every
+// served service, describe each of them (grpc.health.v1 included), and answer unknown names
+// with NOT_FOUND on the same stream.
+template <typename Reflection>
+void CheckReflection(const std::shared_ptr<grpc::Channel>& channel) {
+  using Request = typename Reflection::Request;
+  using Response = typename Reflection::Response;
+  auto stub = Reflection::Service::NewStub(channel);
   grpc::ClientContext context;
-  auto stream = reflection->ServerReflectionInfo(&context);
-  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  auto stream = stub->ServerReflectionInfo(&context);
+  Request request;
   request.set_list_services("");
   ASSERT_TRUE(stream->Write(request));
-  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  Response response;
   ASSERT_TRUE(stream->Read(&response));
   std::vector<std::string> services;
   for (const auto& s : response.list_services_response().service()) services.push_back(s.name());
-  EXPECT_THAT(services, ::testing::Contains("logitserve.v1.Scorer"));
+  EXPECT_THAT(services, UnorderedElementsAre("logitserve.v1.Scorer", "grpc.health.v1.Health",
+                                             "grpc.reflection.v1.ServerReflection",
+                                             "grpc.reflection.v1alpha.ServerReflection"));
 
-  request.set_file_containing_symbol("logitserve.v1.Scorer");
+  for (const std::string& service : services) {
+    request.set_file_containing_symbol(service);
+    ASSERT_TRUE(stream->Write(request));
+    ASSERT_TRUE(stream->Read(&response));
+    ASSERT_FALSE(response.has_error_response())
+        << service << ": " << response.error_response().error_message();
+    ASSERT_GE(response.file_descriptor_response().file_descriptor_proto_size(), 1) << service;
+    // The first file declares the service.
+    google::protobuf::FileDescriptorProto file;
+    ASSERT_TRUE(file.ParseFromString(response.file_descriptor_response().file_descriptor_proto(0)));
+    const std::string short_name = service.substr(service.rfind('.') + 1);
+    EXPECT_EQ(file.package() + "." + short_name, service);
+    std::vector<std::string> methods;
+    for (const auto& s : file.service()) {
+      if (s.name() != short_name) continue;
+      for (const auto& m : s.method()) methods.push_back(m.name());
+    }
+    if (service == "logitserve.v1.Scorer") {
+      EXPECT_THAT(methods,
+                  ::testing::IsSupersetOf({"Score", "ScoreStream", "ListHeads", "LoadHead"}));
+    } else if (service == "grpc.health.v1.Health") {
+      EXPECT_THAT(methods, ::testing::IsSupersetOf({"Check", "Watch"}));
+    } else {
+      EXPECT_THAT(methods, ::testing::ElementsAre("ServerReflectionInfo"));
+    }
+  }
+
+  // A method name is a symbol too; a file by its name comes with its dependencies.
+  request.set_file_containing_symbol("logitserve.v1.Scorer.Score");
   ASSERT_TRUE(stream->Write(request));
   ASSERT_TRUE(stream->Read(&response));
-  ASSERT_GE(response.file_descriptor_response().file_descriptor_proto_size(), 1);
-  google::protobuf::FileDescriptorProto file;
-  ASSERT_TRUE(file.ParseFromString(response.file_descriptor_response().file_descriptor_proto(0)));
-  EXPECT_EQ(file.package(), "logitserve.v1");
-  std::vector<std::string> methods;
-  for (const auto& service : file.service()) {
-    if (service.name() != "Scorer") continue;
-    for (const auto& m : service.method()) methods.push_back(m.name());
-  }
-  EXPECT_THAT(methods, ::testing::IsSupersetOf({"Score", "ListHeads"}));
+  EXPECT_FALSE(response.has_error_response()) << response.error_response().error_message();
+  request.set_file_by_filename("logitserve/v1/logitserve.proto");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_GE(response.file_descriptor_response().file_descriptor_proto_size(), 1);
+
+  request.set_file_containing_symbol("no.such.Symbol");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.error_response().error_code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_THAT(response.error_response().error_message(), HasSubstr("no.such.Symbol"));
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+struct ReflectionV1 {
+  using Service = grpc::reflection::v1::ServerReflection;
+  using Request = grpc::reflection::v1::ServerReflectionRequest;
+  using Response = grpc::reflection::v1::ServerReflectionResponse;
+};
+struct ReflectionV1Alpha {
+  using Service = grpc::reflection::v1alpha::ServerReflection;
+  using Request = grpc::reflection::v1alpha::ServerReflectionRequest;
+  using Response = grpc::reflection::v1alpha::ServerReflectionResponse;
+};
+
+TEST_F(ScorerE2eTest, ReflectionV1DescribesEveryService) {
+  CheckReflection<ReflectionV1>(server_->channel());
+}
+
+TEST_F(ScorerE2eTest, ReflectionV1AlphaDescribesEveryService) {
+  CheckReflection<ReflectionV1Alpha>(server_->channel());
 }
 
 TEST_F(ScorerE2eTest, ListHeads) {
@@ -177,6 +235,15 @@ TEST_F(ScorerE2eTest, ListHeads) {
   EXPECT_EQ(response.max_top_k(), 64u);
   EXPECT_EQ(response.max_tokens_per_request(), 65536);
   EXPECT_GT(response.max_receive_message_bytes(), int64_t{256} << 20);
+  // The server's build: the values this test was built with (one build tree).
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_EQ(response.server_info().version(), build.version);
+  EXPECT_EQ(response.server_info().git_commit(), build.git_commit);
+  EXPECT_NE(response.server_info().git_commit(), "");
+  EXPECT_EQ(response.server_info().build_type(), build.build_type);
+  EXPECT_EQ(response.server_info().backends(), build.backends());
+  EXPECT_EQ(response.server_info().cuda_version(), build.cuda_version);
+  EXPECT_EQ(response.server_info().nccl_version(), build.nccl_version);
   ASSERT_EQ(response.heads_size(), 3);
   std::vector<std::string> names;
   for (const v1::HeadInfo& h : response.heads()) {
@@ -186,7 +253,7 @@ TEST_F(ScorerE2eTest, ListHeads) {
                                                               : kSmall;
     EXPECT_EQ(h.vocab_size(), spec.vocab) << h.name();
     EXPECT_EQ(h.hidden_size(), spec.hidden) << h.name();
-    EXPECT_EQ(h.dtype(), v1::BFLOAT16) << h.name();
+    EXPECT_EQ(h.dtype(), v1::DATA_TYPE_BFLOAT16) << h.name();
     EXPECT_EQ(h.version(), 1u) << h.name();
     EXPECT_FALSE(h.has_bias());
     EXPECT_EQ(h.logit_scale(), 1.0f);
@@ -217,15 +284,15 @@ TEST_F(ScorerE2eTest, HiddenModeEveryOutput) {
   r.set_request_id("hidden-every-output");
   r.set_head(kPolicy.name);
   *r.mutable_hidden() =
-      FloatTensor(v1::BFLOAT16, Normal(n * kPolicy.hidden, 10), {n, kPolicy.hidden});
+      FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * kPolicy.hidden, 10), {n, kPolicy.hidden});
   r.set_reference_head(kReference.name);
-  *r.mutable_reference_hidden() =
-      FloatTensor(v1::BFLOAT16, Normal(n * kReference.hidden, 11), {n, kReference.hidden});
+  *r.mutable_reference_hidden() = FloatTensor(
+      v1::DATA_TYPE_BFLOAT16, Normal(n * kReference.hidden, 11), {n, kReference.hidden});
   std::vector<int64_t> ids = RandomIds(n * 3, kPolicy.vocab, 12);
   ids[1] = -100;                    // one ignored id in row 0
   ids[6] = ids[7] = ids[8] = -100;  // row 2 entirely ignored: out of the sums
   ids[12] = ids[13];                // duplicate ids in row 4
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {n, 3});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {n, 3});
   r.set_top_k(8);
   r.set_entropy(true);
   r.set_reference_entropy(true);
@@ -244,13 +311,14 @@ TEST_F(ScorerE2eTest, HiddenModeEveryOutput) {
 }
 
 TEST_F(ScorerE2eTest, HiddenModeInEveryDtype) {
-  for (v1::DType dtype : {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16}) {
-    SCOPED_TRACE(v1::DType_Name(dtype));
+  for (v1::DataType dtype :
+       {v1::DATA_TYPE_FLOAT32, v1::DATA_TYPE_BFLOAT16, v1::DATA_TYPE_FLOAT16}) {
+    SCOPED_TRACE(v1::DataType_Name(dtype));
     constexpr int64_t n = 7;
     v1::ScoreRequest r;
     r.set_head(kSmall.name);
     *r.mutable_hidden() = FloatTensor(dtype, Normal(n * kSmall.hidden, 20), {n, kSmall.hidden});
-    *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n, kSmall.vocab, 21), {n});
+    *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, RandomIds(n, kSmall.vocab, 21), {n});
     r.set_top_k(5);
     r.set_entropy(true);
     ScoreAndCheck(r);
@@ -268,13 +336,13 @@ TEST_F(ScorerE2eTest, LogitsModeEveryOutputWithMasksAndTemperatures) {
   for (int64_t j = 0; j < v; ++j) z[4 * v + j] = -kInf;  // row 4 entirely masked: NaN
   v1::ScoreRequest r;
   r.set_request_id("logits-every-output");
-  *r.mutable_logits() = FloatTensor(v1::FLOAT32, z, {n, v});
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT16, zr, {n, v});
+  *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, z, {n, v});
+  *r.mutable_reference_logits() = FloatTensor(v1::DATA_TYPE_FLOAT16, zr, {n, v});
   std::vector<int64_t> ids = RandomIds(n, v, 32);
   ids[3] = 17;
   ids[4] = -100;
   ids[5] = -100;
-  *r.mutable_target_ids() = IdTensor(v1::INT32, ids, {n});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, ids, {n});
   r.set_temperature(0.7f);
   r.set_reference_temperature(1.3f);
   r.set_top_k(4);
@@ -293,8 +361,9 @@ TEST_F(ScorerE2eTest, JsdEndpointsAreTheKls) {
   constexpr int64_t v = 300;
   for (float beta : {0.0f, 1.0f}) {
     v1::ScoreRequest r;
-    *r.mutable_logits() = FloatTensor(v1::BFLOAT16, Normal(n * v, 40, 2.0f), {n, v});
-    *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Normal(n * v, 41, 2.0f), {n, v});
+    *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * v, 40, 2.0f), {n, v});
+    *r.mutable_reference_logits() =
+        FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(n * v, 41, 2.0f), {n, v});
     r.set_jsd_beta(beta);
     r.set_forward_kl(true);
     r.set_reverse_kl(true);
@@ -314,9 +383,9 @@ TEST_F(ScorerE2eTest, IgnoreIndexInsideTheVocabulary) {
   constexpr int64_t v = 40;
   v1::ScoreRequest r;
   r.set_request_id("ignore-inside");
-  *r.mutable_logits() = FloatTensor(v1::FLOAT32, Normal(n * v, 80, 3.0f), {n, v});
+  *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(n * v, 80, 3.0f), {n, v});
   const std::vector<int64_t> ids = {5, 0, 39, 5, 5, 5, 7, -100, 5, 6, 5, 4, 5, 5, 3};
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {n, 3});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {n, 3});
   r.set_ignore_index(5);
   r.set_entropy(true);
   r.set_top_k(6);  // id 5 is still ranked like any other token
@@ -329,7 +398,7 @@ TEST_F(ScorerE2eTest, IgnoreIndexInsideTheVocabulary) {
   EXPECT_THAT(status.error_message(), HasSubstr("row 2"));
   std::vector<int64_t> fixed = ids;
   fixed[7] = 8;
-  *r.mutable_target_ids() = IdTensor(v1::INT64, fixed, {n, 3});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, fixed, {n, 3});
   ScoreAndCheck(r);
 
   status = CallScore(stub(), r, &response);
@@ -374,7 +443,7 @@ TEST_F(ScorerE2eTest, NonFiniteLogitsNameFieldAndRow) {
     std::vector<float> z = Normal(n * v, 50);
     z[3 * v + 42] = bad;
     v1::ScoreRequest r;
-    *r.mutable_logits() = FloatTensor(v1::FLOAT32, z, {n, v});
+    *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, z, {n, v});
     r.set_entropy(true);
     v1::ScoreResponse response;
     grpc::Status status = CallScore(stub(), r, &response);
@@ -384,8 +453,8 @@ TEST_F(ScorerE2eTest, NonFiniteLogitsNameFieldAndRow) {
 
     // In the reference logits, too.
     r.clear_logits();
-    *r.mutable_logits() = FloatTensor(v1::FLOAT32, Normal(n * v, 51), {n, v});
-    *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, z, {n, v});
+    *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(n * v, 51), {n, v});
+    *r.mutable_reference_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, z, {n, v});
     r.set_reverse_kl(true);
     status = CallScore(stub(), r, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -413,13 +482,13 @@ std::vector<BadCase> BadCases() {
   const int64_t h = kPolicy.hidden;
   const int64_t v = kPolicy.vocab;
   auto logits = [](int64_t rows, int64_t vocab) {
-    return FloatTensor(v1::FLOAT32, Normal(rows * vocab, 60), {rows, vocab});
+    return FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(rows * vocab, 60), {rows, vocab});
   };
   auto use_logits = [=](v1::ScoreRequest& r) {
     r.clear_head();
     r.clear_hidden();
     *r.mutable_logits() = logits(n, 100);
-    *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n, 100, 61), {n});
+    *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, RandomIds(n, 100, 61), {n});
   };
   auto with_reference = [=](v1::ScoreRequest& r) {
     r.set_forward_kl(true);
@@ -430,7 +499,7 @@ std::vector<BadCase> BadCases() {
     return [=](v1::ScoreRequest& r) {
       std::vector<float> x = Normal(n * h, 62);
       x[2 * h + 9] = value;
-      *r.mutable_hidden() = FloatTensor(v1::BFLOAT16, x, {n, h});
+      *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_BFLOAT16, x, {n, h});
     };
   };
   using C = grpc::StatusCode;
@@ -461,18 +530,18 @@ std::vector<BadCase> BadCases() {
       {"Int32Logits",
        [=](v1::ScoreRequest& r) {
          use_logits(r);
-         r.mutable_logits()->set_dtype(v1::INT32);
+         r.mutable_logits()->set_dtype(v1::DATA_TYPE_INT32);
        },
        kInvalid,
        {"logits", "INT32"}},
       {"Float32Ids",
-       [](v1::ScoreRequest& r) { r.mutable_target_ids()->set_dtype(v1::FLOAT32); },
+       [](v1::ScoreRequest& r) { r.mutable_target_ids()->set_dtype(v1::DATA_TYPE_FLOAT32); },
        kInvalid,
        {"target_ids", "FLOAT32"}},
       {"UnspecifiedDtype",
-       [](v1::ScoreRequest& r) { r.mutable_hidden()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+       [](v1::ScoreRequest& r) { r.mutable_hidden()->set_dtype(v1::DATA_TYPE_UNSPECIFIED); },
        kInvalid,
-       {"hidden", "DTYPE_UNSPECIFIED"}},
+       {"hidden", "UNSPECIFIED"}},
       {"HiddenAndLogits",
        [=](v1::ScoreRequest& r) { *r.mutable_logits() = logits(n, 100); },
        kInvalid,
@@ -526,27 +595,27 @@ std::vector<BadCase> BadCases() {
       {"IdAtVocab",
        [=](v1::ScoreRequest& r) {
          std::vector<int64_t> ids = {1, 2, 3, 4, 5, 6, 7, v};
-         *r.mutable_target_ids() = IdTensor(v1::INT32, ids, {n, 2});
+         *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, ids, {n, 2});
        },
        kInvalid,
        {"target_ids", "row 3", "column 1", "3000"}},
       {"NegativeId",
        [=](v1::ScoreRequest& r) {
          std::vector<int64_t> ids = {1, 2, -7, 4};
-         *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {n});
+         *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {n});
        },
        kInvalid,
        {"target_ids", "row 2", "column 0", "-7"}},
       {"Int64IdBeyondInt32",
        [=](v1::ScoreRequest& r) {
          std::vector<int64_t> ids = {1, int64_t{1} << 31, 3, 4};
-         *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {n});
+         *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {n});
        },
        kInvalid,
        {"target_ids", "row 1", "int32"}},
       {"IdRowsMismatch",
        [=](v1::ScoreRequest& r) {
-         *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n + 1, v, 63), {n + 1});
+         *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, RandomIds(n + 1, v, 63), {n + 1});
        },
        kInvalid,
        {"target_ids", "5 rows", "N = 4"}},
@@ -559,7 +628,7 @@ std::vector<BadCase> BadCases() {
          r.set_forward_kl(true);
          r.set_reference_head(kSmall.name);
          *r.mutable_reference_hidden() =
-             FloatTensor(v1::BFLOAT16, Normal(n * kSmall.hidden, 64), {n, kSmall.hidden});
+             FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * kSmall.hidden, 64), {n, kSmall.hidden});
        },
        kInvalid,
        {"reference_hidden", "vocabulary size 500", "3000"}},
@@ -651,7 +720,8 @@ std::vector<BadCase> BadCases() {
        {"reference_logits", "vocabulary size 101", "model vocabulary size 100"}},
       {"IdsPerRowOverTheCap",
        [=](v1::ScoreRequest& r) {
-         *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n * 1025, v, 66), {n, 1025});
+         *r.mutable_target_ids() =
+             IdTensor(v1::DATA_TYPE_INT32, RandomIds(n * 1025, v, 66), {n, 1025});
        },
        kInvalid,
        {"target_ids", "1025 ids per row", "1024", "--max-target-ids-per-row"}},
@@ -661,7 +731,7 @@ std::vector<BadCase> BadCases() {
        [](v1::ScoreRequest& r) {
          r = SmallValidRequest(0);
          *r.mutable_target_ids() =
-             IdTensor(v1::INT32, {}, {0, std::numeric_limits<int32_t>::max()});
+             IdTensor(v1::DATA_TYPE_INT32, {}, {0, std::numeric_limits<int32_t>::max()});
          r.add_sequence_lengths(0);
        },
        kInvalid,
@@ -682,7 +752,7 @@ std::vector<BadCase> BadCases() {
          with_reference(r);
          std::vector<float> x = Normal(n * h, 65);
          x[h + 3] = kNaN;
-         *r.mutable_reference_hidden() = FloatTensor(v1::FLOAT32, x, {n, h});
+         *r.mutable_reference_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, x, {n, h});
        },
        kInvalid,
        {"reference_hidden", "row 1"}},
@@ -694,7 +764,7 @@ std::vector<BadCase> BadCases() {
        [=](v1::ScoreRequest& r) {
          std::vector<float> x = Normal(n * h, 67);
          for (int64_t i = 0; i < h; ++i) x[2 * h + i] = 3e38f;
-         *r.mutable_hidden() = FloatTensor(v1::FLOAT32, x, {n, h});
+         *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, x, {n, h});
        },
        kInvalid,
        {"hidden", "row 2"}},
@@ -752,7 +822,7 @@ TEST(ServerLimitsTest, OverLimitRequestsAreResourceExhausted) {
 
   // A message over --max-receive-message-bytes: 8 rows of fp32 logits over 300 ids (~9.6 kB).
   v1::ScoreRequest big;
-  *big.mutable_logits() = FloatTensor(v1::FLOAT32, Normal(8 * 300, 70), {8, 300});
+  *big.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(8 * 300, 70), {8, 300});
   big.set_entropy(true);
   status = CallScore(server.stub(), big, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
@@ -766,7 +836,8 @@ TEST(ServerLimitsTest, OverLimitRequestsAreResourceExhausted) {
 
   // K over --max-target-ids-per-row.
   v1::ScoreRequest wide = SmallValidRequest(2);
-  *wide.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(6, kPolicy.vocab, 71), {2, 3});
+  *wide.mutable_target_ids() =
+      IdTensor(v1::DATA_TYPE_INT32, RandomIds(6, kPolicy.vocab, 71), {2, 3});
   status = CallScore(server.stub(), wide, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("target_ids"));
@@ -780,7 +851,8 @@ TEST(ServerLimitsTest, OverLimitRequestsAreResourceExhausted) {
   EXPECT_THAT(status.error_message(), HasSubstr("sequence_lengths"));
 
   // Within every limit: served.
-  *wide.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(4, kPolicy.vocab, 72), {2, 2});
+  *wide.mutable_target_ids() =
+      IdTensor(v1::DATA_TYPE_INT32, RandomIds(4, kPolicy.vocab, 72), {2, 2});
   wide.set_top_k(4);
   for (int64_t len : {1, 0, 0, 0, 0, 0, 0, 1}) wide.add_sequence_lengths(len);
   status = CallScore(server.stub(), wide, &response);

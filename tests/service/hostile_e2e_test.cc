@@ -84,8 +84,8 @@ v1::ScoreRequest ManySequencesRequest(int64_t sequences, int64_t k, const std::s
   v1::ScoreRequest r;
   r.set_request_id(id);
   r.set_head(kPolicy.name);
-  *r.mutable_hidden() = FloatTensor(v1::BFLOAT16, {}, {0, kPolicy.hidden});
-  *r.mutable_target_ids() = IdTensor(v1::INT32, {}, {0, k});
+  *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_BFLOAT16, {}, {0, kPolicy.hidden});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, {}, {0, k});
   for (int64_t i = 0; i < sequences; ++i) r.add_sequence_lengths(0);
   return r;
 }
@@ -167,9 +167,11 @@ TEST(BoundedErrorsE2eTest, LongClientTextIsQuotedByPrefixAndOtherCallsSurvive) {
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto stream = stub->ScoreStream(&context);
     long_name.set_request_id("long-name");
-    ASSERT_TRUE(stream->Write(long_name));
+    v1::ScoreStreamRequest message;
+    *message.mutable_request() = long_name;
+    ASSERT_TRUE(stream->Write(message));
     stream->WritesDone();
-    v1::ScoreResponse answer;
+    v1::ScoreStreamResponse answer;
     ASSERT_TRUE(stream->Read(&answer));
     EXPECT_EQ(answer.request_id(), "long-name");
     EXPECT_EQ(answer.status_code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
@@ -259,7 +261,9 @@ TEST(StreamBackPressureE2eTest, ClientThatNeverReadsHoldsABoundedWindow) {
   auto stream = stub->ScoreStream(&context);
   std::thread writer([&] {
     for (int i = 0; i < kRequests; ++i) {
-      if (!stream->Write(ManySequencesRequest(kSequences, kIds, absl::StrCat("r", i)))) return;
+      v1::ScoreStreamRequest message;
+      *message.mutable_request() = ManySequencesRequest(kSequences, kIds, absl::StrCat("r", i));
+      if (!stream->Write(message)) return;
     }
   });
 
@@ -371,8 +375,11 @@ TEST(MalformedMessageE2eTest, UnparsableStreamMessageIsAnsweredAndTheStreamGoesO
   call->StartCall(nullptr);
   ASSERT_TRUE(wait());
   std::string first, third;
-  ASSERT_TRUE(PolicyRequest(2, 61, "first").SerializeToString(&first));
-  ASSERT_TRUE(PolicyRequest(3, 62, "third").SerializeToString(&third));
+  v1::ScoreStreamRequest message;
+  *message.mutable_request() = PolicyRequest(2, 61, "first");
+  ASSERT_TRUE(message.SerializeToString(&first));
+  *message.mutable_request() = PolicyRequest(3, 62, "third");
+  ASSERT_TRUE(message.SerializeToString(&third));
   for (const std::string& bytes : {first,
                                    std::string("\x12\x64"
                                                "abc"),
@@ -383,7 +390,7 @@ TEST(MalformedMessageE2eTest, UnparsableStreamMessageIsAnsweredAndTheStreamGoesO
   }
   call->WritesDone(nullptr);
   ASSERT_TRUE(wait());
-  std::map<std::string, v1::ScoreResponse> answers;  // by request_id ("" for the bad message)
+  std::map<std::string, v1::ScoreStreamResponse> answers;  // by request_id ("" for the bad one)
   while (true) {
     grpc::ByteBuffer b;
     call->Read(&b, nullptr);
@@ -393,7 +400,7 @@ TEST(MalformedMessageE2eTest, UnparsableStreamMessageIsAnsweredAndTheStreamGoesO
     std::string bytes;
     for (const grpc::Slice& x : slices)
       bytes.append(reinterpret_cast<const char*>(x.begin()), x.size());
-    v1::ScoreResponse r;
+    v1::ScoreStreamResponse r;
     ASSERT_TRUE(r.ParseFromString(bytes));
     answers[r.request_id()] = r;
   }
@@ -403,12 +410,12 @@ TEST(MalformedMessageE2eTest, UnparsableStreamMessageIsAnsweredAndTheStreamGoesO
   EXPECT_TRUE(status.ok()) << status.error_message();
   ASSERT_EQ(answers.size(), 3u);
   EXPECT_EQ(answers["first"].status_code(), 0) << answers["first"].status_message();
-  EXPECT_EQ(answers["first"].entropy_size(), 2);
+  EXPECT_EQ(answers["first"].response().entropy_size(), 2);
   EXPECT_EQ(answers[""].status_code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
   EXPECT_THAT(answers[""].status_message(),
-              HasSubstr("ScoreStream message 2 is not a valid logitserve.v1.ScoreRequest"));
+              HasSubstr("ScoreStream message 2 is not a valid logitserve.v1.ScoreStreamRequest"));
   EXPECT_EQ(answers["third"].status_code(), 0) << answers["third"].status_message();
-  EXPECT_EQ(answers["third"].entropy_size(), 3);
+  EXPECT_EQ(answers["third"].response().entropy_size(), 3);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -60,9 +60,9 @@ struct Upload {
     w->name = spec.name();
     w->vocab_size = spec.vocab_size();
     w->hidden_size = spec.hidden_size();
-    w->dtype = spec.dtype() == v1::FLOAT32    ? kernels::FloatType::kFloat32
-               : spec.dtype() == v1::BFLOAT16 ? kernels::FloatType::kBFloat16
-                                              : kernels::FloatType::kFloat16;
+    w->dtype = spec.dtype() == v1::DATA_TYPE_FLOAT32    ? kernels::FloatType::kFloat32
+               : spec.dtype() == v1::DATA_TYPE_BFLOAT16 ? kernels::FloatType::kBFloat16
+                                                        : kernels::FloatType::kFloat16;
     w->weight.assign(weight_bytes.begin(), weight_bytes.end());
     if (!bias.empty()) w->bias = RoundedTo(spec.dtype(), bias);
     w->transform.logit_scale = spec.logit_scale() == 0.0f ? 1.0f : spec.logit_scale();
@@ -74,7 +74,7 @@ struct Upload {
 };
 
 // Weights with a logit spread of ~3 nats for unit-normal hidden states; bias ~ N(0, 1).
-Upload MakeUpload(const std::string& name, int64_t vocab, int64_t hidden, v1::DType dtype,
+Upload MakeUpload(const std::string& name, int64_t vocab, int64_t hidden, v1::DataType dtype,
                   bool with_bias, uint32_t seed) {
   Upload u;
   u.spec.set_name(name);
@@ -93,13 +93,13 @@ Upload MakeUpload(const std::string& name, int64_t vocab, int64_t hidden, v1::DT
 
 // The upload as chunks of at most `chunk_bytes` payload bytes over weight || bias: the first
 // carries the spec, and one chunk may hold the end of the weight and the start of the bias.
-std::vector<v1::LoadHeadChunk> Chunks(const Upload& u, size_t chunk_bytes = 1000) {
-  std::vector<v1::LoadHeadChunk> chunks;
+std::vector<v1::LoadHeadRequest> Chunks(const Upload& u, size_t chunk_bytes = 1000) {
+  std::vector<v1::LoadHeadRequest> chunks;
   const std::string& w = u.weight_bytes;
   const std::string& b = u.bias_bytes;
   const size_t total = w.size() + b.size();
   for (size_t at = 0; at < total || chunks.empty(); at += chunk_bytes) {
-    v1::LoadHeadChunk c;
+    v1::LoadHeadRequest c;
     if (chunks.empty()) *c.mutable_spec() = u.spec;
     const size_t end = std::min(total, at + chunk_bytes);
     if (at < w.size()) c.set_weight_data(w.substr(at, std::min(end, w.size()) - at));
@@ -113,14 +113,17 @@ std::vector<v1::LoadHeadChunk> Chunks(const Upload& u, size_t chunk_bytes = 1000
 }
 
 // Streams `chunks` (stopping early if the server already failed the call), half-closes and
-// returns the call's status. With `cancel_after`, cancels the call after that many chunks instead.
-grpc::Status Send(v1::Scorer::Stub& stub, const std::vector<v1::LoadHeadChunk>& chunks,
+// returns the call's status; `info` gets LoadHeadResponse.head. With `cancel_after`, cancels the
+// call after that many chunks instead.
+grpc::Status Send(v1::Scorer::Stub& stub, const std::vector<v1::LoadHeadRequest>& chunks,
                   v1::HeadInfo* info, std::optional<size_t> cancel_after = std::nullopt,
                   const std::string& token = "") {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
-  std::unique_ptr<grpc::ClientWriter<v1::LoadHeadChunk>> writer = stub.LoadHead(&context, info);
+  v1::LoadHeadResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::LoadHeadRequest>> writer =
+      stub.LoadHead(&context, &response);
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (cancel_after.has_value() && i == *cancel_after) {
       context.TryCancel();
@@ -129,7 +132,9 @@ grpc::Status Send(v1::Scorer::Stub& stub, const std::vector<v1::LoadHeadChunk>& 
     if (!writer->Write(chunks[i])) break;
   }
   if (!cancel_after.has_value()) writer->WritesDone();
-  return writer->Finish();
+  const grpc::Status status = writer->Finish();
+  *info = response.head();
+  return status;
 }
 
 grpc::Status SendUpload(v1::Scorer::Stub& stub, const Upload& u, v1::HeadInfo* info) {
@@ -210,10 +215,11 @@ class LoadHeadE2eTest : public ::testing::Test {
     v1::ScoreRequest r;
     r.set_request_id(absl::StrCat(head, "-", seed));
     r.set_head(head);
-    *r.mutable_hidden() = FloatTensor(v1::BFLOAT16, Normal(n * hidden, seed), {n, hidden});
+    *r.mutable_hidden() =
+        FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * hidden, seed), {n, hidden});
     std::vector<int64_t> ids(n * 2);
     for (int64_t i = 0; i < n * 2; ++i) ids[i] = (i * 131 + seed) % vocab;
-    *r.mutable_target_ids() = IdTensor(v1::INT32, ids, {n, 2});
+    *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, ids, {n, 2});
     r.set_top_k(5);
     r.set_entropy(true);
     return r;
@@ -238,7 +244,7 @@ class LoadHeadE2eTest : public ::testing::Test {
 
 TEST_F(LoadHeadE2eTest, NewBf16HeadWithBiasAndTransformScoresLikeTheReference) {
   // 2500 ids: two vocabulary blocks over two uneven shards; softcap well inside the logit range.
-  Upload u = MakeUpload("up-bf16", 2500, 24, v1::BFLOAT16, /*with_bias=*/true, 1);
+  Upload u = MakeUpload("up-bf16", 2500, 24, v1::DATA_TYPE_BFLOAT16, /*with_bias=*/true, 1);
   u.spec.set_logit_scale(1.25f);
   u.spec.set_final_logit_softcapping(4.0f);
   ASSERT_FALSE(Listed("up-bf16").has_value());
@@ -252,12 +258,12 @@ TEST_F(LoadHeadE2eTest, NewBf16HeadWithBiasAndTransformScoresLikeTheReference) {
 }
 
 TEST_F(LoadHeadE2eTest, NewFp32HeadWithBiasScoresLikeTheReference) {
-  Upload u = MakeUpload("up-fp32", 777, 20, v1::FLOAT32, /*with_bias=*/true, 2);
+  Upload u = MakeUpload("up-fp32", 777, 20, v1::DATA_TYPE_FLOAT32, /*with_bias=*/true, 2);
   u.spec.set_logits_scaling(0.5f);  // Granite's divide
   Install(u, 1);
   ScoreAndCheck(Request(u, 5, 12), 1, {{"up-fp32", u.Expected(1)}});
   // Large chunks too (one chunk holding everything).
-  const Upload v = MakeUpload("up-fp32-one-chunk", 777, 20, v1::FLOAT32, true, 3);
+  const Upload v = MakeUpload("up-fp32-one-chunk", 777, 20, v1::DATA_TYPE_FLOAT32, true, 3);
   v1::HeadInfo info;
   ASSERT_TRUE(Send(stub(), Chunks(v, size_t{1} << 30), &info).ok());
   ASSERT_EQ(Chunks(v, size_t{1} << 30).size(), 1u);
@@ -265,13 +271,13 @@ TEST_F(LoadHeadE2eTest, NewFp32HeadWithBiasScoresLikeTheReference) {
 }
 
 TEST_F(LoadHeadE2eTest, ReplacementVersionsAndPins) {
-  const Upload v1_upload = MakeUpload("pin", 300, 16, v1::BFLOAT16, false, 10);
+  const Upload v1_upload = MakeUpload("pin", 300, 16, v1::DATA_TYPE_BFLOAT16, false, 10);
   Install(v1_upload, 1);
   const v1::ScoreRequest request = Request(v1_upload, 4, 21);
   ScoreAndCheck(request, 1, {{"pin", v1_upload.Expected(1)}});
 
   // Version 0 = current + 1, with different weights (and now a bias).
-  const Upload v2_upload = MakeUpload("pin", 300, 16, v1::BFLOAT16, true, 11);
+  const Upload v2_upload = MakeUpload("pin", 300, 16, v1::DATA_TYPE_BFLOAT16, true, 11);
   Install(v2_upload, 2);
   EXPECT_EQ(ListedVersion("pin"), 2u);
   ScoreAndCheck(request, 2, {{"pin", v2_upload.Expected(2)}});
@@ -299,12 +305,12 @@ TEST_F(LoadHeadE2eTest, ReplacementVersionsAndPins) {
   ScoreAndCheck(with_reference, 2, {{"pin", v2_upload.Expected(2)}});
 
   // Explicit versions: a jump is fine; equal or lower is FAILED_PRECONDITION and changes nothing.
-  Upload v10 = MakeUpload("pin", 300, 16, v1::FLOAT32, false, 12);
+  Upload v10 = MakeUpload("pin", 300, 16, v1::DATA_TYPE_FLOAT32, false, 12);
   v10.spec.set_version(10);
   Install(v10, 10);
   for (uint64_t stale : {10u, 3u}) {
     SCOPED_TRACE(stale);
-    Upload bad = MakeUpload("pin", 300, 16, v1::FLOAT32, false, 13);
+    Upload bad = MakeUpload("pin", 300, 16, v1::DATA_TYPE_FLOAT32, false, 13);
     bad.spec.set_version(stale);
     v1::HeadInfo info;
     s = SendUpload(stub(), bad, &info);
@@ -314,24 +320,24 @@ TEST_F(LoadHeadE2eTest, ReplacementVersionsAndPins) {
                                        " is not greater than head \"pin\"'s current version 10")));
   }
   ScoreAndCheck(request, 10, {{"pin", v10.Expected(10)}});
-  const Upload v11 = MakeUpload("pin", 300, 16, v1::FLOAT32, false, 14);
+  const Upload v11 = MakeUpload("pin", 300, 16, v1::DATA_TYPE_FLOAT32, false, 14);
   Install(v11, 11);  // version 0 again: 10 + 1
   ScoreAndCheck(request, 11, {{"pin", v11.Expected(11)}});
 
   // A head loaded at start-up is replaced the same way.
   const Upload static_v2 =
-      MakeUpload(kStatic.name, kStatic.vocab, kStatic.hidden, v1::BFLOAT16, false, 15);
+      MakeUpload(kStatic.name, kStatic.vocab, kStatic.hidden, v1::DATA_TYPE_BFLOAT16, false, 15);
   Install(static_v2, 2);
   ScoreAndCheck(Request(static_v2, 3, 22), 2, {{kStatic.name, static_v2.Expected(2)}});
 }
 
 TEST_F(LoadHeadE2eTest, LargestVersionsCannotLockAHead) {
   // 2^64 - 1 (and anything from 2^63) is refused; the head then still takes version 0 uploads.
-  const Upload base = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 30);
+  const Upload base = MakeUpload("maxed", 200, 16, v1::DATA_TYPE_BFLOAT16, false, 30);
   Install(base, 1);
   for (uint64_t huge : {UINT64_MAX, uint64_t{1} << 63}) {
     SCOPED_TRACE(huge);
-    Upload bad = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 31);
+    Upload bad = MakeUpload("maxed", 200, 16, v1::DATA_TYPE_BFLOAT16, false, 31);
     bad.spec.set_version(huge);
     v1::HeadInfo info;
     grpc::Status s = SendUpload(stub(), bad, &info);
@@ -339,10 +345,10 @@ TEST_F(LoadHeadE2eTest, LargestVersionsCannotLockAHead) {
     EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat("spec.version: ", huge, " is above")));
   }
   // The largest allowed version, then version 0 = current + 1 still works.
-  Upload top = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 32);
+  Upload top = MakeUpload("maxed", 200, 16, v1::DATA_TYPE_BFLOAT16, false, 32);
   top.spec.set_version((uint64_t{1} << 63) - 1);
   Install(top, (uint64_t{1} << 63) - 1);
-  const Upload next = MakeUpload("maxed", 200, 16, v1::BFLOAT16, false, 33);
+  const Upload next = MakeUpload("maxed", 200, 16, v1::DATA_TYPE_BFLOAT16, false, 33);
   Install(next, uint64_t{1} << 63);
   ScoreAndCheck(Request(next, 3, 34), uint64_t{1} << 63,
                 {{"maxed", next.Expected(uint64_t{1} << 63)}});
@@ -352,13 +358,13 @@ TEST_F(LoadHeadE2eTest, LargestVersionsCannotLockAHead) {
 // status it must get.
 struct BadUpload {
   std::string name;
-  std::function<std::vector<v1::LoadHeadChunk>(const Upload&)> chunks;
+  std::function<std::vector<v1::LoadHeadRequest>(const Upload&)> chunks;
   grpc::StatusCode code;
   std::vector<std::string> message_parts;
 };
 
 std::vector<BadUpload> BadUploads() {
-  using Chunks_t = std::vector<v1::LoadHeadChunk>;
+  using Chunks_t = std::vector<v1::LoadHeadRequest>;
   const auto with_spec = [](std::function<void(v1::HeadSpec&)> edit) {
     return [edit](const Upload& good) {
       Upload u = good;
@@ -405,23 +411,23 @@ std::vector<BadUpload> BadUploads() {
        with_spec([](v1::HeadSpec& s) {
          s.set_vocab_size(int64_t{1} << 24);
          s.set_hidden_size(int64_t{1} << 12);
-         s.set_dtype(v1::FLOAT32);
+         s.set_dtype(v1::DATA_TYPE_FLOAT32);
        }),
        grpc::StatusCode::RESOURCE_EXHAUSTED,
        {"spec: [16777216, 4096] fp32 weight and bias are", "over the server's limit"}},
       {"IntegerDType",
-       with_spec([](v1::HeadSpec& s) { s.set_dtype(v1::INT32); }),
+       with_spec([](v1::HeadSpec& s) { s.set_dtype(v1::DATA_TYPE_INT32); }),
        grpc::StatusCode::INVALID_ARGUMENT,
        {"spec.dtype: INT32 is not a head weight type"}},
       {"UnsetDType",
-       with_spec([](v1::HeadSpec& s) { s.set_dtype(v1::DTYPE_UNSPECIFIED); }),
+       with_spec([](v1::HeadSpec& s) { s.set_dtype(v1::DATA_TYPE_UNSPECIFIED); }),
        grpc::StatusCode::INVALID_ARGUMENT,
-       {"spec.dtype: DTYPE_UNSPECIFIED"}},
+       {"spec.dtype: UNSPECIFIED"}},
       {"NaNWeight",
        [](const Upload& good) {
          Upload u = good;
          u.weight[5 * 16 + 3] = kNaN;
-         u.weight_bytes = FloatTensor(v1::BFLOAT16, u.weight, {100, 16}).data();
+         u.weight_bytes = FloatTensor(v1::DATA_TYPE_BFLOAT16, u.weight, {100, 16}).data();
          return Chunks(u);
        },
        grpc::StatusCode::INVALID_ARGUMENT,
@@ -430,7 +436,7 @@ std::vector<BadUpload> BadUploads() {
        [](const Upload& good) {
          Upload u = good;
          u.bias[42] = kInf;
-         u.bias_bytes = FloatTensor(v1::BFLOAT16, u.bias, {100}).data();
+         u.bias_bytes = FloatTensor(v1::DATA_TYPE_BFLOAT16, u.bias, {100}).data();
          return Chunks(u);
        },
        grpc::StatusCode::INVALID_ARGUMENT,
@@ -442,7 +448,7 @@ std::vector<BadUpload> BadUploads() {
          return c;
        },
        grpc::StatusCode::INVALID_ARGUMENT,
-       {"spec: required on the first LoadHeadChunk"}},
+       {"spec: required on the first LoadHeadRequest"}},
       {"SpecRepeated",
        [](const Upload& good) {
          Chunks_t c = Chunks(good);
@@ -450,11 +456,11 @@ std::vector<BadUpload> BadUploads() {
          return c;
        },
        grpc::StatusCode::INVALID_ARGUMENT,
-       {"spec: only the first LoadHeadChunk may carry it"}},
+       {"spec: only the first LoadHeadRequest may carry it"}},
       {"NoChunksAtAll",
        [](const Upload&) { return Chunks_t(); },
        grpc::StatusCode::INVALID_ARGUMENT,
-       {"spec: the upload ended before its first LoadHeadChunk"}},
+       {"spec: the upload ended before its first LoadHeadRequest"}},
       {"BiasBeforeWeight",
        [](const Upload& good) {
          Chunks_t c = Chunks(good);
@@ -511,7 +517,7 @@ std::vector<BadUpload> BadUploads() {
 
 TEST_F(LoadHeadE2eTest, EveryBadUploadFailsAndTheOldHeadKeepsServing) {
   // "keep" v1: [100, 16] bf16 with bias; 1000-byte chunks: 3200 weight bytes, then 200 of bias.
-  const Upload good = MakeUpload("keep", 100, 16, v1::BFLOAT16, true, 30);
+  const Upload good = MakeUpload("keep", 100, 16, v1::DATA_TYPE_BFLOAT16, true, 30);
   Install(good, 1);
   const v1::ScoreRequest request = Request(good, 6, 31);
   v1::ScoreResponse baseline;
@@ -523,7 +529,7 @@ TEST_F(LoadHeadE2eTest, EveryBadUploadFailsAndTheOldHeadKeepsServing) {
   ASSERT_TRUE(info_before.has_value());
 
   // A replacement with different weights, so that any leak of a failed upload would show.
-  const Upload replacement = MakeUpload("keep", 100, 16, v1::BFLOAT16, true, 32);
+  const Upload replacement = MakeUpload("keep", 100, 16, v1::DATA_TYPE_BFLOAT16, true, 32);
   for (const BadUpload& bad : BadUploads()) {
     SCOPED_TRACE(bad.name);
     v1::HeadInfo info;
@@ -549,7 +555,7 @@ TEST_F(LoadHeadE2eTest, EveryBadUploadFailsAndTheOldHeadKeepsServing) {
 }
 
 TEST_F(LoadHeadE2eTest, FailedUploadOfANewHeadInstallsNothing) {
-  Upload ghost = MakeUpload("ghost", 100, 16, v1::FLOAT32, false, 40);
+  Upload ghost = MakeUpload("ghost", 100, 16, v1::DATA_TYPE_FLOAT32, false, 40);
   ghost.weight_bytes.resize(100);
   v1::HeadInfo info;
   const grpc::Status s = SendUpload(stub(), ghost, &info);
@@ -561,7 +567,7 @@ TEST_F(LoadHeadE2eTest, FailedUploadOfANewHeadInstallsNothing) {
 }
 
 TEST_F(LoadHeadE2eTest, CancelledUploadKeepsTheOldHead) {
-  const Upload good = MakeUpload("cancel", 200, 16, v1::FLOAT32, false, 50);
+  const Upload good = MakeUpload("cancel", 200, 16, v1::DATA_TYPE_FLOAT32, false, 50);
   Install(good, 1);
   const v1::ScoreRequest request = Request(good, 4, 51);
   v1::ScoreResponse baseline;
@@ -570,8 +576,8 @@ TEST_F(LoadHeadE2eTest, CancelledUploadKeepsTheOldHead) {
   baseline.clear_queue_us();
   baseline.clear_compute_us();
 
-  const Upload replacement = MakeUpload("cancel", 200, 16, v1::FLOAT32, false, 52);
-  const std::vector<v1::LoadHeadChunk> chunks = Chunks(replacement);  // 13 chunks
+  const Upload replacement = MakeUpload("cancel", 200, 16, v1::DATA_TYPE_FLOAT32, false, 52);
+  const std::vector<v1::LoadHeadRequest> chunks = Chunks(replacement);  // 13 chunks
   ASSERT_GT(chunks.size(), 4u);
   v1::HeadInfo info;
   const grpc::Status s = Send(stub(), chunks, &info, /*cancel_after=*/3);
@@ -590,10 +596,10 @@ TEST_F(LoadHeadE2eTest, CancelledUploadKeepsTheOldHead) {
 TEST_F(LoadHeadE2eTest, ConcurrentVersionZeroUploadsGetConsecutiveVersions) {
   // "version 0 = current + 1" is decided under the install lock: racing uploads never collide.
   constexpr int kUploaders = 4;
-  Install(MakeUpload("race", 200, 16, v1::BFLOAT16, false, 70), 1);
+  Install(MakeUpload("race", 200, 16, v1::DATA_TYPE_BFLOAT16, false, 70), 1);
   std::vector<Upload> uploads;
   for (int i = 0; i < kUploaders; ++i) {
-    uploads.push_back(MakeUpload("race", 200, 16, v1::BFLOAT16, true, 71 + i));
+    uploads.push_back(MakeUpload("race", 200, 16, v1::DATA_TYPE_BFLOAT16, true, 71 + i));
   }
   std::vector<grpc::Status> statuses(kUploaders);
   std::vector<v1::HeadInfo> infos(kUploaders);
@@ -631,7 +637,8 @@ TEST_F(LoadHeadE2eTest, HotSwapUnderLoadNeverMixesVersions) {
   constexpr int kSightingsPerVersion = 4;
   std::map<uint64_t, Upload> uploads;
   for (uint64_t v = 1; v <= kLast; ++v) {
-    uploads.emplace(v, MakeUpload("hot", kVocab, kHidden, v % 2 ? v1::BFLOAT16 : v1::FLOAT32,
+    uploads.emplace(v, MakeUpload("hot", kVocab, kHidden,
+                                  v % 2 ? v1::DATA_TYPE_BFLOAT16 : v1::DATA_TYPE_FLOAT32,
                                   v % 3 == 0, static_cast<uint32_t>(100 + v)));
   }
   std::map<uint64_t, HeadMap> references;
@@ -696,7 +703,7 @@ TEST(LoadHeadAuthTest, OnlyTheAdminTokenMayUpload) {
                             "--auth-token-file", user_file, "--admin-token-file", admin_file});
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = v1::Scorer::NewStub(Connect((*server)->address()));
-  const Upload u = MakeUpload("secured", 50, 8, v1::FLOAT32, false, 60);
+  const Upload u = MakeUpload("secured", 50, 8, v1::DATA_TYPE_FLOAT32, false, 60);
 
   v1::HeadInfo info;
   grpc::Status s = Send(*stub, Chunks(u), &info);

@@ -5,11 +5,14 @@
 #include "server/service/metrics.h"
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
@@ -51,7 +54,9 @@ TEST(MetricsTest, EveryFamilyIsPrefixedTypedAndDocumented) {
     EXPECT_EQ(e.at(name).type, type) << name;
   }
   for (const auto& [name, family] : e) {
-    EXPECT_TRUE(absl::StartsWith(name, "logitserve_")) << name;
+    // The standard process_* families keep the names every Prometheus client library uses.
+    EXPECT_TRUE(absl::StartsWith(name, "logitserve_") || absl::StartsWith(name, "process_"))
+        << name;
     EXPECT_FALSE(family.help.empty()) << name;
     EXPECT_FALSE(family.type.empty()) << name;
     if (family.type == "histogram") {
@@ -255,6 +260,69 @@ TEST(MetricsHttpServerTest, ServesMetricsOverHttp) {
   httplib::Result other = client.Get("/");
   ASSERT_TRUE(other);
   EXPECT_EQ(other->status, 404);
+}
+
+// The process_* values describe this test process: its start time lies between a few minutes ago
+// and now, its descriptor count follows a descriptor the test opens, its CPU time grows with work.
+TEST(MetricsTest, ProcessMetricsDescribeThisProcess) {
+  Metrics metrics;
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  Exposition e = Parse(metrics);
+  ASSERT_EQ(e.count("process_cpu_seconds_total"), 1u);
+  EXPECT_EQ(e.at("process_cpu_seconds_total").type, "counter");
+  for (const char* gauge : {"process_resident_memory_bytes", "process_virtual_memory_bytes",
+                            "process_open_fds", "process_max_fds", "process_start_time_seconds"}) {
+    ASSERT_EQ(e.count(gauge), 1u) << gauge;
+    EXPECT_EQ(e.at(gauge).type, "gauge") << gauge;
+  }
+  EXPECT_LE(*SampleValue(e, "process_start_time_seconds"), now + 1);
+  EXPECT_GT(*SampleValue(e, "process_start_time_seconds"), now - 600);  // the test just started
+  EXPECT_GT(*SampleValue(e, "process_resident_memory_bytes"), 1 << 20);
+
+  const double fds = *SampleValue(e, "process_open_fds");
+  FILE* extra = std::fopen("/proc/self/stat", "r");
+  ASSERT_NE(extra, nullptr);
+  e = Parse(metrics);
+  EXPECT_EQ(*SampleValue(e, "process_open_fds"), fds + 1);
+  std::fclose(extra);
+
+  // CPU time grows with work done (spin ~50 ms of user time).
+  const double cpu = *SampleValue(e, "process_cpu_seconds_total");
+  volatile double sink = 0;
+  const absl::Time until = absl::Now() + absl::Milliseconds(50);
+  while (absl::Now() < until) sink = sink + 1;
+  e = Parse(metrics);
+  EXPECT_GT(*SampleValue(e, "process_cpu_seconds_total"), cpu);
+}
+
+TEST(MetricsHttpServerTest, HealthzAndReadyzFollowTheReadiness) {
+  Metrics metrics;
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
+      MetricsHttpServer::Start("127.0.0.1:0", &metrics);
+  ASSERT_TRUE(server.ok()) << server.status();
+  httplib::Client client("127.0.0.1", (*server)->port());
+  client.set_connection_timeout(10);
+  client.set_read_timeout(10);
+  struct Case {
+    Metrics::Readiness readiness;
+    int healthz;
+    int readyz;
+    std::string readyz_body;
+  };
+  for (const Case& c :
+       {Case{Metrics::Readiness::kStarting, 200, 503, "starting\n"},
+        Case{Metrics::Readiness::kServing, 200, 200, "ok\n"},
+        Case{Metrics::Readiness::kDraining, 200, 503, "draining\n"},
+        Case{Metrics::Readiness::kFailed, 503, 503, "failed: fatal device error\n"}}) {
+    metrics.SetReadiness(c.readiness);
+    httplib::Result live = client.Get("/healthz");
+    ASSERT_TRUE(live);
+    EXPECT_EQ(live->status, c.healthz) << c.readyz_body;
+    httplib::Result ready = client.Get("/readyz");
+    ASSERT_TRUE(ready);
+    EXPECT_EQ(ready->status, c.readyz) << c.readyz_body;
+    EXPECT_EQ(ready->body, c.readyz_body);
+  }
 }
 
 TEST(MetricsHttpServerTest, PortInUseFailsClearly) {

@@ -27,10 +27,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 #include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
@@ -161,8 +165,8 @@ v1::ScoreRequest SmallRequest(int64_t rows, const std::string& head = "policy") 
   for (int64_t i = 0; i < rows; ++i) ids[i] = (i * 37) % kVocab;
   v1::ScoreRequest r;
   r.set_head(head);
-  *r.mutable_hidden() = FloatTensor(v1::FLOAT32, hidden, {rows, kHidden});
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {rows});
+  *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, hidden, {rows, kHidden});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {rows});
   r.set_entropy(true);
   return r;
 }
@@ -218,24 +222,26 @@ struct RawClient {
     grpc::ClientContext context;
     Prepare(context, header);
     auto stream = scorer->ScoreStream(&context);
-    stream->Write(request);
+    v1::ScoreStreamRequest message;
+    *message.mutable_request() = request;
+    stream->Write(message);
     stream->WritesDone();
-    v1::ScoreResponse response;
+    v1::ScoreStreamResponse response;
     *responses = 0;
     while (stream->Read(&response)) ++*responses;
     return stream->Finish();
   }
   // LoadHead of a [vocab, hidden] fp32 head named `name` (zeros), in one chunk.
   grpc::Status LoadHead(const std::string& header, const std::string& name, int64_t vocab,
-                        int64_t hidden, v1::HeadInfo* info) {
+                        int64_t hidden, v1::LoadHeadResponse* info) {
     grpc::ClientContext context;
     Prepare(context, header);
     auto writer = scorer->LoadHead(&context, info);
-    v1::LoadHeadChunk chunk;
+    v1::LoadHeadRequest chunk;
     chunk.mutable_spec()->set_name(name);
     chunk.mutable_spec()->set_vocab_size(vocab);
     chunk.mutable_spec()->set_hidden_size(hidden);
-    chunk.mutable_spec()->set_dtype(v1::FLOAT32);
+    chunk.mutable_spec()->set_dtype(v1::DATA_TYPE_FLOAT32);
     chunk.set_weight_data(std::string(vocab * hidden * sizeof(float), '\0'));
     writer->Write(chunk);  // may fail once the server has answered; Finish has the status
     writer->WritesDone();
@@ -399,7 +405,7 @@ TEST_F(AuthE2eTest, RejectedCallsAreUnauthenticatedAndComputeNothing) {
     s = raw_->ScoreStream(header, request, &responses);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "'" << header << "'";
     EXPECT_EQ(responses, 0);
-    v1::HeadInfo info;
+    v1::LoadHeadResponse info;
     s = raw_->LoadHead(header, "uploaded", 4, kHidden, &info);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "'" << header << "'";
   }
@@ -437,7 +443,7 @@ TEST_F(AuthE2eTest, UserTokenScoresButCannotUpload) {
   // The admin token is accepted on user RPCs too.
   EXPECT_TRUE(raw_->ListHeads("Bearer admin-token-9a41").ok());
 
-  v1::HeadInfo info;
+  v1::LoadHeadResponse info;
   s = raw_->LoadHead("Bearer user-token-5f2c", "uploaded", 4, kHidden, &info);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
 
@@ -458,16 +464,16 @@ TEST_F(AuthE2eTest, UserTokenScoresButCannotUpload) {
 }
 
 TEST_F(AuthE2eTest, AdminTokenUploadsAHead) {
-  v1::HeadInfo info;
+  v1::LoadHeadResponse info;
   const grpc::Status s = raw_->LoadHead("Bearer admin-token-9a41", "uploaded", 4, kHidden, &info);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(info.name(), "uploaded");
-  EXPECT_EQ(info.vocab_size(), 4);
-  EXPECT_EQ(info.hidden_size(), kHidden);
+  EXPECT_EQ(info.head().name(), "uploaded");
+  EXPECT_EQ(info.head().vocab_size(), 4);
+  EXPECT_EQ(info.head().hidden_size(), kHidden);
   // All-zero weights: every logit is 0, so log p = -log(4) for every target.
   v1::ScoreRequest request = SmallRequest(2, "uploaded");
   std::vector<int64_t> ids = {0, 3};
-  *request.mutable_target_ids() = IdTensor(v1::INT64, ids, {2});
+  *request.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {2});
   v1::ScoreResponse response;
   const grpc::Status scored = raw_->Score("Bearer user-token-5f2c", request, &response);
   ASSERT_TRUE(scored.ok()) << scored.error_message();
@@ -485,7 +491,7 @@ TEST(AuthOnlyUserTokenE2eTest, UploadsAreDisabled) {
   ASSERT_NE(server, nullptr);
   RawClient raw(server->address());
   EXPECT_TRUE(raw.ListHeads(std::string("Bearer ") + kUserToken).ok());
-  v1::HeadInfo info;
+  v1::LoadHeadResponse info;
   const grpc::Status s = raw.LoadHead(std::string("Bearer ") + kUserToken, "x", 4, kHidden, &info);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("--admin-token-file"));
@@ -520,7 +526,8 @@ TEST(MetricsE2eTest, CountsRequestsByMethodAndCodeAndTokensScored) {
   absl::StatusOr<Exposition> before = ScrapeMetrics(server->metrics_address());
   ASSERT_TRUE(before.ok()) << before.status();
   for (const auto& [name, family] : *before) {
-    EXPECT_EQ(name.rfind("logitserve_", 0), 0u) << name;
+    // Ours are prefixed; the standard process_* families keep their universal names.
+    EXPECT_TRUE(name.rfind("logitserve_", 0) == 0 || name.rfind("process_", 0) == 0) << name;
     if (family.type == "histogram") {
       EXPECT_TRUE(testing::CheckHistogram(family).ok()) << testing::CheckHistogram(family);
     }
@@ -543,7 +550,7 @@ TEST(MetricsE2eTest, CountsRequestsByMethodAndCodeAndTokensScored) {
             grpc::StatusCode::NOT_FOUND);
   v1::ScoreRequest bad_ids = SmallRequest(2);
   std::vector<int64_t> out_of_range = {0, kVocab};
-  *bad_ids.mutable_target_ids() = IdTensor(v1::INT64, out_of_range, {2});
+  *bad_ids.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, out_of_range, {2});
   EXPECT_EQ(raw.Score("", bad_ids).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   ASSERT_TRUE(raw.ListHeads("").ok());
   e = ScrapeUntil(server->metrics_address(), [](const Exposition& x) {
@@ -592,6 +599,98 @@ TEST(MetricsE2eTest, QueueDepthReturnsToZero) {
   });
   EXPECT_EQ(ValueOr0(e, "logitserve_requests_in_flight"), 0);
   EXPECT_THAT(testing::SampleValue(e, "logitserve_queue_depth"), Optional(0.0));
+}
+
+// What every Prometheus target exports: logitserve_build_info (the build ListHeads reports) and
+// the standard process_* families, with values that describe this very process.
+TEST(MetricsE2eTest, BuildInfoAndProcessMetrics) {
+  std::unique_ptr<ServerProcess> server = StartServer({"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(server, nullptr);
+  absl::StatusOr<Exposition> e = ScrapeMetrics(server->metrics_address());
+  ASSERT_TRUE(e.ok()) << e.status();
+  const BuildInfo& build = GetBuildInfo();
+  ASSERT_EQ(e->count("logitserve_build_info"), 1u);
+  EXPECT_EQ(e->at("logitserve_build_info").type, "gauge");
+  EXPECT_THAT(testing::SampleValue(*e, "logitserve_build_info",
+                                   {{"version", std::string(build.version)},
+                                    {"git_commit", std::string(build.git_commit)},
+                                    {"backend", "cpu"},
+                                    {"cuda_version", std::string(build.cuda_version)},
+                                    {"nccl_version", std::string(build.nccl_version)}}),
+              Optional(1.0));
+
+  const std::map<std::string, std::string> process_types = {
+      {"process_cpu_seconds_total", "counter"},
+      {"process_resident_memory_bytes", "gauge"},
+      {"process_virtual_memory_bytes", "gauge"},
+      {"process_open_fds", "gauge"},
+      {"process_max_fds", "gauge"},
+      {"process_start_time_seconds", "gauge"}};
+  for (const auto& [name, type] : process_types) {
+    ASSERT_EQ(e->count(name), 1u) << name;
+    EXPECT_EQ(e->at(name).type, type) << name;
+  }
+  // The server holds a synthetic head and gRPC's threads: some MiB resident, more virtual; a few
+  // descriptors (stdio, sockets) below the limit; started before this scrape, and not before this
+  // test began (a generous minute of slack for clock granularity: start time has tick precision).
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  EXPECT_GT(ValueOr0(*e, "process_resident_memory_bytes"), 1 << 20);
+  EXPECT_GE(ValueOr0(*e, "process_virtual_memory_bytes"),
+            ValueOr0(*e, "process_resident_memory_bytes"));
+  EXPECT_GE(ValueOr0(*e, "process_open_fds"), 3);
+  EXPECT_LT(ValueOr0(*e, "process_open_fds"), ValueOr0(*e, "process_max_fds"));
+  EXPECT_LE(ValueOr0(*e, "process_start_time_seconds"), now + 1);
+  EXPECT_GT(ValueOr0(*e, "process_start_time_seconds"), now - 60);
+  EXPECT_GE(ValueOr0(*e, "process_cpu_seconds_total"), 0);
+
+  // CPU seconds count up as the server works.
+  RawClient raw(server->address());
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(raw.Score("", SmallRequest(64)).ok());
+  absl::StatusOr<Exposition> later = ScrapeMetrics(server->metrics_address());
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_GT(ValueOr0(*later, "process_cpu_seconds_total"),
+            ValueOr0(*e, "process_cpu_seconds_total"));
+}
+
+// /healthz and /readyz on the metrics port: both 200 while serving; on SIGTERM readiness drops
+// (503 "draining") while liveness stays 200 until the process exits.
+TEST(MetricsE2eTest, HealthAndReadinessProbes) {
+  std::unique_ptr<ServerProcess> server =
+      StartServer({"--metrics-listen", "127.0.0.1:0", "--test-fault", "slow-tile:1500"});
+  ASSERT_NE(server, nullptr);
+  const std::string metrics = server->metrics_address();
+  httplib::Client http("http://" + metrics);
+  http.set_connection_timeout(10);
+  http.set_read_timeout(10);
+  for (const char* path : {"/healthz", "/readyz"}) {
+    httplib::Result r = http.Get(path);
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->status, 200) << path;
+    EXPECT_EQ(r->body, "ok\n") << path;
+  }
+  // Keep one slow request in flight so the drain lasts long enough to be observed.
+  RawClient raw(server->address());
+  std::thread slow([&raw] { (void)raw.Score("", SmallRequest(2)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
+  int ready_status = 0;
+  std::string ready_body;
+  for (int i = 0; i < 200; ++i) {  // the main loop polls for signals every 100 ms
+    httplib::Result ready = http.Get("/readyz");
+    ASSERT_TRUE(ready);
+    ready_status = ready->status;
+    ready_body = ready->body;
+    if (ready_status != 200) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(ready_status, 503);
+  EXPECT_EQ(ready_body, "draining\n");
+  httplib::Result live = http.Get("/healthz");
+  ASSERT_TRUE(live);
+  EXPECT_EQ(live->status, 200);
+  slow.join();
+  // The drain ends by itself (signal 0: no second SIGTERM, which would end it with exit 4).
+  EXPECT_EQ(server->Stop(0), 0);
 }
 
 TEST(MetricsE2eTest, NoMetricsLineWithoutTheFlag) {
@@ -645,8 +744,10 @@ TEST(LimitsE2eTest, MaxConcurrentStreamsQueuesCallsOnAConnection) {
   stream_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto stream = raw.scorer->ScoreStream(&stream_context);
   // One round trip on the stream: it is open and the server's SETTINGS have arrived.
-  ASSERT_TRUE(stream->Write(SmallRequest(2)));
-  v1::ScoreResponse response;
+  v1::ScoreStreamRequest message;
+  *message.mutable_request() = SmallRequest(2);
+  ASSERT_TRUE(stream->Write(message));
+  v1::ScoreStreamResponse response;
   ASSERT_TRUE(stream->Read(&response));
   EXPECT_EQ(response.status_code(), 0) << response.status_message();
 

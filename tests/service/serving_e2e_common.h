@@ -73,12 +73,13 @@ inline std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>
 // `n` rows of hidden states for "policy" in `dtype`, ids [n], entropy and top-4: the common
 // shape many tests share (requests of this shape may share a batch).
 inline v1::ScoreRequest PolicyRequest(int64_t n, uint32_t seed, const std::string& id = "",
-                                      v1::DType dtype = v1::BFLOAT16) {
+                                      v1::DataType dtype = v1::DATA_TYPE_BFLOAT16) {
   v1::ScoreRequest r;
   r.set_request_id(id);
   r.set_head(kPolicy.name);
   *r.mutable_hidden() = FloatTensor(dtype, Normal(n * kPolicy.hidden, seed), {n, kPolicy.hidden});
-  *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n, kPolicy.vocab, seed + 1), {n});
+  *r.mutable_target_ids() =
+      IdTensor(v1::DATA_TYPE_INT32, RandomIds(n, kPolicy.vocab, seed + 1), {n});
   r.set_entropy(true);
   r.set_top_k(4);
   return r;

@@ -50,7 +50,7 @@ v1::ScoreRequest RandomRequest(int thread, int index) {
       break;
     }
     case 7:  // fp32 hidden states: another input dtype
-      r = PolicyRequest(n, seed, id, v1::FLOAT32);
+      r = PolicyRequest(n, seed, id, v1::DATA_TYPE_FLOAT32);
       break;
     case 8:  // another temperature
       r.set_temperature(0.7f);
@@ -58,7 +58,7 @@ v1::ScoreRequest RandomRequest(int thread, int index) {
     case 9:  // a reference head and divergences
       r.set_reference_head(kReference.name);
       *r.mutable_reference_hidden() = FloatTensor(
-          v1::BFLOAT16, Normal(n * kReference.hidden, seed + 7), {n, kReference.hidden});
+          v1::DATA_TYPE_BFLOAT16, Normal(n * kReference.hidden, seed + 7), {n, kReference.hidden});
       r.set_forward_kl(true);
       r.set_jsd_beta(0.25f);
       break;
@@ -67,8 +67,9 @@ v1::ScoreRequest RandomRequest(int thread, int index) {
       r.set_request_id(id);
       r.set_head(kSmall.name);
       *r.mutable_hidden() =
-          FloatTensor(v1::BFLOAT16, Normal(n * kSmall.hidden, seed), {n, kSmall.hidden});
-      *r.mutable_target_ids() = IdTensor(v1::INT64, RandomIds(2 * n, kSmall.vocab, seed), {n, 2});
+          FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(n * kSmall.hidden, seed), {n, kSmall.hidden});
+      *r.mutable_target_ids() =
+          IdTensor(v1::DATA_TYPE_INT64, RandomIds(2 * n, kSmall.vocab, seed), {n, 2});
       r.set_top_k(2);
       r.set_entropy(true);
       break;
@@ -77,8 +78,8 @@ v1::ScoreRequest RandomRequest(int thread, int index) {
       constexpr int64_t v = 1000;
       r.Clear();
       r.set_request_id(id);
-      *r.mutable_logits() = FloatTensor(v1::FLOAT32, Normal(n * v, seed, 3.0f), {n, v});
-      *r.mutable_target_ids() = IdTensor(v1::INT32, RandomIds(n, v, seed), {n});
+      *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Normal(n * v, seed, 3.0f), {n, v});
+      *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, RandomIds(n, v, seed), {n});
       r.set_entropy(true);
       r.set_top_k(4);
       break;
@@ -175,7 +176,7 @@ class StreamClient {
     if (!token.empty()) context_.AddMetadata("authorization", "Bearer " + token);
     stream_ = stub.ScoreStream(&context_);
     reader_ = std::thread([this] {
-      v1::ScoreResponse response;
+      v1::ScoreStreamResponse response;
       while (stream_->Read(&response)) {
         absl::MutexLock lock(&mu_);
         responses_.push_back(response);
@@ -189,7 +190,11 @@ class StreamClient {
       stream_->Finish();
     }
   }
-  bool Write(const v1::ScoreRequest& request) { return stream_->Write(request); }
+  bool Write(const v1::ScoreRequest& request) {
+    v1::ScoreStreamRequest message;
+    *message.mutable_request() = request;
+    return stream_->Write(message);
+  }
   void Cancel() { context_.TryCancel(); }
   // Half-closes (unless cancelled), waits for the last response and returns the final status.
   grpc::Status Finish(bool half_close = true) {
@@ -197,17 +202,18 @@ class StreamClient {
     reader_.join();
     return stream_->Finish();
   }
-  std::vector<v1::ScoreResponse> responses() const {
+  std::vector<v1::ScoreStreamResponse> responses() const {
     absl::MutexLock lock(&mu_);
     return responses_;
   }
 
  private:
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::ScoreRequest, v1::ScoreResponse>> stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ScoreStreamRequest, v1::ScoreStreamResponse>>
+      stream_;
   std::thread reader_;
   mutable absl::Mutex mu_;
-  std::vector<v1::ScoreResponse> responses_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ScoreStreamResponse> responses_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk) {
@@ -230,9 +236,9 @@ TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk
   {
     std::vector<int64_t> ids = RandomIds(4, kPolicy.vocab, 9);
     ids[2] = kPolicy.vocab;
-    *requests[50].mutable_target_ids() = IdTensor(v1::INT32, ids, {4});
+    *requests[50].mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, ids, {4});
     *requests[50].mutable_hidden() =
-        FloatTensor(v1::BFLOAT16, Normal(4 * kPolicy.hidden, 9), {4, kPolicy.hidden});
+        FloatTensor(v1::DATA_TYPE_BFLOAT16, Normal(4 * kPolicy.hidden, 9), {4, kPolicy.hidden});
   }
   // Bad in the backend's pass: logits mode with a NaN, next to valid logits-mode requests it may
   // share a batch with (the batch is retried member by member, so only it fails).
@@ -242,7 +248,7 @@ TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk
     if (i == 71) z[4 * v + 17] = std::numeric_limits<float>::quiet_NaN();
     requests[i].Clear();
     requests[i].set_request_id(absl::StrCat("r", i));
-    *requests[i].mutable_logits() = FloatTensor(v1::FLOAT32, z, {n, v});
+    *requests[i].mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, z, {n, v});
     requests[i].set_entropy(true);
   }
 
@@ -257,8 +263,8 @@ TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk
     const grpc::Status status = stream.Finish();
     EXPECT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
 
-    std::map<std::string, v1::ScoreResponse> by_id;
-    for (const v1::ScoreResponse& response : stream.responses()) {
+    std::map<std::string, v1::ScoreStreamResponse> by_id;
+    for (const v1::ScoreStreamResponse& response : stream.responses()) {
       EXPECT_TRUE(by_id.emplace(response.request_id(), response).second)
           << "two responses for " << response.request_id();
     }
@@ -267,12 +273,12 @@ TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk
       const v1::ScoreRequest& r = requests[i];
       SCOPED_TRACE(r.request_id());
       ASSERT_EQ(by_id.count(r.request_id()), 1u);
-      const v1::ScoreResponse& got = by_id[r.request_id()];
+      const v1::ScoreStreamResponse& got = by_id[r.request_id()];
       if (i == 50) {
         EXPECT_EQ(got.status_code(), 3);  // INVALID_ARGUMENT
         EXPECT_THAT(got.status_message(), HasSubstr("target_ids"));
         EXPECT_THAT(got.status_message(), HasSubstr("row 2"));
-        EXPECT_EQ(got.entropy_size(), 0);
+        EXPECT_FALSE(got.has_response());
         continue;
       }
       if (i == 71) {
@@ -282,7 +288,8 @@ TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk
         continue;
       }
       EXPECT_EQ(got.status_code(), 0) << got.status_message();
-      ExpectMatchesReference(r, got, ReferenceHeads());
+      EXPECT_EQ(got.response().request_id(), r.request_id());
+      ExpectMatchesReference(r, got.response(), ReferenceHeads());
     }
     // Unary Score of the same requests gives the same bits (a sample: slow-tile makes each call
     // cost at least one tile).
@@ -291,7 +298,7 @@ TEST(ScoreStreamE2eTest, ManyInFlightMatchedByIdBadOnesFailAloneAndHalfCloseIsOk
       v1::ScoreResponse unary;
       ASSERT_TRUE(CallScore(*stub, requests[i], &unary).ok());
       SCOPED_TRACE(requests[i].request_id());
-      ExpectBitwiseEqual(by_id[requests[i].request_id()], unary);
+      ExpectBitwiseEqual(by_id[requests[i].request_id()].response(), unary);
     }
   }
   EXPECT_EQ(max_in_flight, 64) << "one stream must hold at most 64 requests in flight, and 100 "
@@ -340,7 +347,7 @@ TEST(ScoreStreamE2eTest, ClientCancelMidStreamStopsItsWorkAndTheServerKeepsServi
     stream.Cancel();
     const grpc::Status status = stream.Finish(/*half_close=*/false);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
-    for (const v1::ScoreResponse& r : stream.responses()) {
+    for (const v1::ScoreStreamResponse& r : stream.responses()) {
       EXPECT_NE(r.status_code(), 0) << r.request_id() << " completed on a cancelled stream";
     }
   }
@@ -405,7 +412,8 @@ TEST(ScoreStreamE2eTest, StreamWithoutTheTokenIsUnauthenticatedAndComputesNothin
   ASSERT_TRUE(stream.Write(request));
   ASSERT_TRUE(stream.Finish().ok());
   ASSERT_EQ(stream.responses().size(), 1u);
-  ExpectMatchesReference(request, stream.responses()[0], ReferenceHeads());
+  EXPECT_EQ(stream.responses()[0].status_code(), 0) << stream.responses()[0].status_message();
+  ExpectMatchesReference(request, stream.responses()[0].response(), ReferenceHeads());
   ExpectCallStatesBalanced(server->metrics_address(), 3);
 }
 

@@ -239,8 +239,8 @@ TEST(AdmissionE2eTest, MemoryBudgetRefusesWhatDoesNotFit) {
   constexpr int64_t kRows = 10;
   v1::ScoreRequest fits;
   fits.set_request_id("fits");
-  *fits.mutable_logits() =
-      FloatTensor(v1::FLOAT32, Normal(kRows * kPolicy.vocab, 43, 3.0f), {kRows, kPolicy.vocab});
+  *fits.mutable_logits() = FloatTensor(
+      v1::DATA_TYPE_FLOAT32, Normal(kRows * kPolicy.vocab, 43, 3.0f), {kRows, kPolicy.vocab});
   fits.set_entropy(true);
   s = CallScore(*stub, fits, &response);
   ASSERT_TRUE(s.ok()) << s.error_message();

@@ -10,9 +10,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/version/build_info.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
@@ -112,13 +114,35 @@ TEST(StartupTest, BadFlagValuesFail) {
   }
 }
 
+TEST(StartupTest, VersionFlagPrintsTheBuild) {
+  const ServerProcess::ExitResult r = RunServer({"--version"});
+  EXPECT_EQ(r.exit_code, 0);
+  // The binary's build is this test's (one build tree): same version, commit and backends.
+  EXPECT_THAT(r.output, HasSubstr(VersionText("logitserve")));
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("logitserve ", build.version, " (commit ",
+                                               build.git_commit, ", ")));
+  EXPECT_THAT(r.output, HasSubstr("backends: cpu"));
+  EXPECT_THAT(r.output, Not(HasSubstr("listening on")));
+}
+
+TEST(StartupTest, StartupLogNamesTheBuild) {
+  // The version line comes first, so even a start-up that fails says what was running.
+  const ServerProcess::ExitResult r = RunServer({});
+  EXPECT_NE(r.exit_code, 0);
+  const BuildInfo& build = GetBuildInfo();
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("logitserve ", build.version, " (commit ",
+                                               build.git_commit, ", ", build.build_type,
+                                               "); backends built: ", build.backends())));
+}
+
 TEST(StartupTest, HelpListsEveryFlag) {
   const ServerProcess::ExitResult r = RunServer({"--help"});
   EXPECT_EQ(r.exit_code, 0);
   for (const char* flag :
        {"--listen", "--backend", "--head", "--synthetic-head", "--threads", "--shards", "--workers",
         "--queue-size", "--max-top-k", "--max-tokens-per-request", "--max-receive-message-bytes",
-        "--drain-seconds", "--log-level"}) {
+        "--drain-seconds", "--log-level", "--version"}) {
     EXPECT_THAT(r.output, HasSubstr(flag));
   }
 }
@@ -153,7 +177,7 @@ TEST(ShutdownTest, InFlightRequestCompletesOnSigterm) {
   request.set_head(big.name);
   std::vector<float> h(static_cast<size_t>(n * big.hidden));
   for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<float>(i % 7) - 3.0f;
-  *request.mutable_hidden() = FloatTensor(v1::BFLOAT16, h, {n, big.hidden});
+  *request.mutable_hidden() = FloatTensor(v1::DATA_TYPE_BFLOAT16, h, {n, big.hidden});
   request.set_entropy(true);
 
   grpc::Status status;

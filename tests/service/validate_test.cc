@@ -71,16 +71,16 @@ class ValidateTest : public ::testing::Test {
   static v1::ScoreRequest HiddenRequest(int64_t n) {
     v1::ScoreRequest r;
     r.set_head("policy");
-    *r.mutable_hidden() = FloatTensor(v1::BFLOAT16, Ramp(n * kHidden), {n, kHidden});
-    *r.mutable_target_ids() = IdTensor(v1::INT32, Ids(n), {n});
+    *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_BFLOAT16, Ramp(n * kHidden), {n, kHidden});
+    *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, Ids(n), {n});
     return r;
   }
 
   // A valid logits-mode request of n rows over kVocab.
   static v1::ScoreRequest LogitsRequest(int64_t n) {
     v1::ScoreRequest r;
-    *r.mutable_logits() = FloatTensor(v1::FLOAT32, Ramp(n * kVocab), {n, kVocab});
-    *r.mutable_target_ids() = IdTensor(v1::INT64, Ids(n), {n});
+    *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(n * kVocab), {n, kVocab});
+    *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, Ids(n), {n});
     return r;
   }
 
@@ -126,7 +126,7 @@ TEST_F(ValidateTest, HiddenRequestBecomesZeroCopyJob) {
 
 TEST_F(ValidateTest, LogitsRequestWithReference) {
   v1::ScoreRequest r = LogitsRequest(4);
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT16, Ramp(4 * kVocab), {4, kVocab});
+  *r.mutable_reference_logits() = FloatTensor(v1::DATA_TYPE_FLOAT16, Ramp(4 * kVocab), {4, kVocab});
   r.set_forward_kl(true);
   r.set_jsd_beta(0.5f);
   r.set_temperature(0.7f);
@@ -150,7 +150,8 @@ TEST_F(ValidateTest, LogitsRequestWithReference) {
 TEST_F(ValidateTest, HiddenReferenceAndVersions) {
   v1::ScoreRequest r = HiddenRequest(2);
   r.set_reference_head("ref");
-  *r.mutable_reference_hidden() = FloatTensor(v1::FLOAT32, Ramp(2 * kHidden), {2, kHidden});
+  *r.mutable_reference_hidden() =
+      FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(2 * kHidden), {2, kHidden});
   r.set_reverse_kl(true);
   r.set_reference_head_version(1);
   absl::StatusOr<ValidatedRequest> v = Validate(r);
@@ -172,7 +173,7 @@ TEST_F(ValidateTest, EmptyRequestIsValid) {
 TEST_F(ValidateTest, TwoDimensionalIdsAndCustomIgnoreIndex) {
   v1::ScoreRequest r = LogitsRequest(2);
   const std::vector<int64_t> ids = {0, -1, 49, -1, -1, 3};
-  *r.mutable_target_ids() = IdTensor(v1::INT32, ids, {2, 3});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, ids, {2, 3});
   r.set_ignore_index(-1);
   absl::StatusOr<ValidatedRequest> v = Validate(r);
   ASSERT_TRUE(v.ok()) << v.status();
@@ -189,14 +190,16 @@ TEST_F(ValidateTest, IgnoreIndexInsideTheVocabulary) {
   // ignore_index may be a real id: those ids are ignored (kept as is in the job), the others are
   // ordinary ids, and range checks still apply to them.
   v1::ScoreRequest r = LogitsRequest(2);
-  *r.mutable_target_ids() = IdTensor(v1::INT64, std::vector<int64_t>{7, 3, 7, 49}, {2, 2});
+  *r.mutable_target_ids() =
+      IdTensor(v1::DATA_TYPE_INT64, std::vector<int64_t>{7, 3, 7, 49}, {2, 2});
   r.set_ignore_index(7);
   absl::StatusOr<ValidatedRequest> v = Validate(r);
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_EQ(v->job.ignore_index, 7);
   EXPECT_EQ(v->job.target_ids, (std::vector<int32_t>{7, 3, 7, 49}));
   // -100 is no longer ignorable.
-  *r.mutable_target_ids() = IdTensor(v1::INT64, std::vector<int64_t>{7, -100, 7, 49}, {2, 2});
+  *r.mutable_target_ids() =
+      IdTensor(v1::DATA_TYPE_INT64, std::vector<int64_t>{7, -100, 7, 49}, {2, 2});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("row 0"), HasSubstr("column 1"), HasSubstr("-100"));
 }
@@ -204,9 +207,9 @@ TEST_F(ValidateTest, IgnoreIndexInsideTheVocabulary) {
 TEST_F(ValidateTest, TargetIdsPerRowLimit) {
   limits_.max_target_ids_per_row = 4;
   v1::ScoreRequest r = LogitsRequest(2);
-  *r.mutable_target_ids() = IdTensor(v1::INT32, Ids(8), {2, 4});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, Ids(8), {2, 4});
   EXPECT_TRUE(Validate(r).ok());
-  *r.mutable_target_ids() = IdTensor(v1::INT32, Ids(10), {2, 5});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, Ids(10), {2, 5});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("5 ids per row"), HasSubstr("4"), HasSubstr("--max-target-ids-per-row"));
 
@@ -291,19 +294,19 @@ TEST_F(ValidateTest, WrongRank) {
 
 TEST_F(ValidateTest, UnsupportedDtypes) {
   v1::ScoreRequest r = LogitsRequest(2);
-  r.mutable_logits()->set_dtype(v1::INT32);
+  r.mutable_logits()->set_dtype(v1::DATA_TYPE_INT32);
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("logits"),
                 HasSubstr("INT32"));
   r = HiddenRequest(2);
-  r.mutable_hidden()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  r.mutable_hidden()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("hidden"),
-                HasSubstr("DTYPE_UNSPECIFIED"));
+                HasSubstr("dtype UNSPECIFIED"));
   r = HiddenRequest(2);
-  r.mutable_target_ids()->set_dtype(v1::FLOAT32);
+  r.mutable_target_ids()->set_dtype(v1::DATA_TYPE_FLOAT32);
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("FLOAT32"));
   r = HiddenRequest(2);
-  r.mutable_hidden()->set_dtype(static_cast<v1::DType>(42));
+  r.mutable_hidden()->set_dtype(static_cast<v1::DataType>(42));
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("hidden"),
                 HasSubstr("42"));
 }
@@ -379,7 +382,8 @@ TEST_F(ValidateTest, ReferenceNeededButAbsent) {
 TEST_F(ValidateTest, UnusedReferenceIsAllowedAndIgnored) {
   v1::ScoreRequest r = HiddenRequest(2);
   r.set_reference_head("ref");
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(3), {7});  // even malformed
+  *r.mutable_reference_logits() =
+      FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(3), {7});  // even malformed
   absl::StatusOr<ValidatedRequest> v = Validate(r);
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_FALSE(v->job.reference.present());
@@ -389,7 +393,7 @@ TEST_F(ValidateTest, ReferenceSideRules) {
   v1::ScoreRequest r = HiddenRequest(2);
   r.set_reverse_kl(true);
   r.set_reference_head("ref");
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(2 * kVocab), {2, kVocab});
+  *r.mutable_reference_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(2 * kVocab), {2, kVocab});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_head"));
   r.clear_reference_head();
   *r.mutable_reference_hidden() = r.hidden();
@@ -406,33 +410,33 @@ TEST_F(ValidateTest, ReferenceSideRules) {
 TEST_F(ValidateTest, IdsOutOfRange) {
   v1::ScoreRequest r = HiddenRequest(3);
   std::vector<int64_t> ids = {1, 2, 3, 4, kVocab, 6};
-  *r.mutable_target_ids() = IdTensor(v1::INT32, ids, {3, 2});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, ids, {3, 2});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("row 2"), HasSubstr("column 0"), HasSubstr("50"));
   ids[4] = -5;
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {3, 2});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {3, 2});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("row 2"), HasSubstr("column 0"), HasSubstr("-5"));
   ids[4] = -100;  // ignore_index
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {3, 2});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {3, 2});
   EXPECT_TRUE(Validate(r).ok());
 }
 
 TEST_F(ValidateTest, Int64IdsBeyondInt32) {
   v1::ScoreRequest r = HiddenRequest(2);
   const std::vector<int64_t> ids = {1, int64_t{1} << 32};
-  *r.mutable_target_ids() = IdTensor(v1::INT64, ids, {2});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, ids, {2});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("row 1"), HasSubstr("int32"));
   // An INT64 id that wraps to ignore_index in 32 bits is still rejected.
   const std::vector<int64_t> wrap = {1, (int64_t{1} << 32) - 100};
-  *r.mutable_target_ids() = IdTensor(v1::INT64, wrap, {2});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT64, wrap, {2});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"));
 }
 
 TEST_F(ValidateTest, IdRowsMustMatch) {
   v1::ScoreRequest r = HiddenRequest(3);
-  *r.mutable_target_ids() = IdTensor(v1::INT32, Ids(2), {2});
+  *r.mutable_target_ids() = IdTensor(v1::DATA_TYPE_INT32, Ids(2), {2});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("target_ids"),
                 HasSubstr("2 rows"), HasSubstr("N = 3"));
 }
@@ -453,17 +457,19 @@ TEST_F(ValidateTest, ReferenceVocabAndRowsMustMatch) {
                 HasSubstr("vocabulary size 40"), HasSubstr("50"));
   r = LogitsRequest(2);
   r.set_reverse_kl(true);
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(3 * kVocab), {3, kVocab});
+  *r.mutable_reference_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(3 * kVocab), {3, kVocab});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_logits"),
                 HasSubstr("3 rows"), HasSubstr("2 rows"));
   // Logits mode: the reference's vocabulary (its width) must be the model's too.
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(2 * (kVocab + 1)), {2, kVocab + 1});
+  *r.mutable_reference_logits() =
+      FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(2 * (kVocab + 1)), {2, kVocab + 1});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_logits"),
                 HasSubstr("vocabulary size 51"), HasSubstr("model vocabulary size 50"));
   // A hidden-mode model against a logits-mode reference of the wrong width.
   r = HiddenRequest(2);
   r.set_reverse_kl(true);
-  *r.mutable_reference_logits() = FloatTensor(v1::FLOAT32, Ramp(2 * (kVocab - 1)), {2, kVocab - 1});
+  *r.mutable_reference_logits() =
+      FloatTensor(v1::DATA_TYPE_FLOAT32, Ramp(2 * (kVocab - 1)), {2, kVocab - 1});
   EXPECT_STATUS(Validate(r), absl::StatusCode::kInvalidArgument, HasSubstr("reference_logits"),
                 HasSubstr("vocabulary size 49"), HasSubstr("50"));
 }
@@ -537,9 +543,10 @@ TEST_F(ValidateTest, SequenceLengths) {
 // The hidden-state scan is not part of validation (the handler never reads the bulk of a
 // request); the worker runs CheckHiddenStatesFinite on the validated job.
 TEST_F(ValidateTest, NonFiniteHiddenStates) {
-  for (v1::DType dtype : {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16}) {
+  for (v1::DataType dtype :
+       {v1::DATA_TYPE_FLOAT32, v1::DATA_TYPE_BFLOAT16, v1::DATA_TYPE_FLOAT16}) {
     for (float bad : {kNaN, kInf, -kInf}) {
-      SCOPED_TRACE(v1::DType_Name(dtype) + " " + std::to_string(bad));
+      SCOPED_TRACE(v1::DataType_Name(dtype) + " " + std::to_string(bad));
       std::vector<float> h = Ramp(4 * kHidden);
       h[2 * kHidden + 5] = bad;
       h[3 * kHidden + 1] = bad;  // a later bad row is not the one reported
@@ -560,7 +567,7 @@ TEST_F(ValidateTest, NonFiniteHiddenStates) {
   v1::ScoreRequest r = HiddenRequest(2);
   r.set_reverse_kl(true);
   r.set_reference_head("ref");
-  *r.mutable_reference_hidden() = FloatTensor(v1::FLOAT32, h, {2, kHidden});
+  *r.mutable_reference_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, h, {2, kHidden});
   absl::StatusOr<ValidatedRequest> v = Validate(r);
   ASSERT_TRUE(v.ok()) << v.status();
   const absl::Status s = CheckHiddenStatesFinite(v->job);
@@ -577,7 +584,7 @@ TEST_F(ValidateTest, LargeFiniteHiddenValuesAreAccepted) {
   h[0] = 3e38f;
   h[1] = -3e38f;
   v1::ScoreRequest r = HiddenRequest(2);
-  *r.mutable_hidden() = FloatTensor(v1::FLOAT32, h, {2, kHidden});
+  *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, h, {2, kHidden});
   absl::StatusOr<ValidatedRequest> v = Validate(r);
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_TRUE(CheckHiddenStatesFinite(v->job).ok());
@@ -589,7 +596,7 @@ TEST_F(ValidateTest, LogitsMayHoldNonFiniteValues) {
   z[3] = -kInf;
   z[kVocab + 4] = kNaN;
   v1::ScoreRequest r = LogitsRequest(2);
-  *r.mutable_logits() = FloatTensor(v1::FLOAT32, z, {2, kVocab});
+  *r.mutable_logits() = FloatTensor(v1::DATA_TYPE_FLOAT32, z, {2, kVocab});
   EXPECT_TRUE(Validate(r).ok());
 }
 
@@ -630,7 +637,7 @@ TEST_F(ValidateTest, SharedMemoryTensorsResolveAfterTheirChecks) {
   // bytes in data as well.
   calls.clear();
   v1::ScoreRequest wrong_dtype = r;
-  wrong_dtype.mutable_hidden()->set_dtype(v1::INT32);
+  wrong_dtype.mutable_hidden()->set_dtype(v1::DATA_TYPE_INT32);
   EXPECT_STATUS(validate(wrong_dtype), absl::StatusCode::kInvalidArgument,
                 HasSubstr("hidden: dtype"));
   v1::ScoreRequest wrong_size = r;

@@ -199,9 +199,9 @@ class Client {
       v1::ScoreRequest req = Valid(1 + rng_() % 64, rng_() % 4 == 0);
       switch (kind) {
         case kBadShape:  // width H - 1 with matching bytes
-          *req.mutable_hidden() =
-              testing::FloatTensor(v1::BFLOAT16, Values(req.hidden().shape(0) * (kHidden - 1)),
-                                   {req.hidden().shape(0), kHidden - 1});
+          *req.mutable_hidden() = testing::FloatTensor(
+              v1::DATA_TYPE_BFLOAT16, Values(req.hidden().shape(0) * (kHidden - 1)),
+              {req.hidden().shape(0), kHidden - 1});
           break;
         case kBadBytes:  // one byte short
           req.mutable_hidden()->mutable_data()->pop_back();
@@ -209,7 +209,8 @@ class Client {
         case kBadId: {
           std::vector<int64_t> ids(static_cast<size_t>(req.hidden().shape(0)), 1);
           ids[rng_() % ids.size()] = kVocab;  // one past the end
-          *req.mutable_target_ids() = testing::IdTensor(v1::INT64, ids, {req.hidden().shape(0)});
+          *req.mutable_target_ids() =
+              testing::IdTensor(v1::DATA_TYPE_INT64, ids, {req.hidden().shape(0)});
           break;
         }
         case kUnknownHead:
@@ -245,15 +246,16 @@ class Client {
   v1::ScoreRequest Valid(int64_t n, bool with_reference) {
     v1::ScoreRequest req;
     req.set_head("policy");
-    *req.mutable_hidden() = testing::FloatTensor(v1::BFLOAT16, Values(n * kHidden), {n, kHidden});
+    *req.mutable_hidden() =
+        testing::FloatTensor(v1::DATA_TYPE_BFLOAT16, Values(n * kHidden), {n, kHidden});
     std::vector<int64_t> ids(static_cast<size_t>(n));
     for (int64_t& id : ids) id = static_cast<int64_t>(rng_() % kVocab);
-    *req.mutable_target_ids() = testing::IdTensor(v1::INT32, ids, {n});
+    *req.mutable_target_ids() = testing::IdTensor(v1::DATA_TYPE_INT32, ids, {n});
     req.set_entropy(true);
     if (with_reference) {
       req.set_reference_head("teacher");
       *req.mutable_reference_hidden() =
-          testing::FloatTensor(v1::FLOAT32, Values(n * kRefHidden), {n, kRefHidden});
+          testing::FloatTensor(v1::DATA_TYPE_FLOAT32, Values(n * kRefHidden), {n, kRefHidden});
       req.set_forward_kl(true);
     }
     return req;
@@ -298,11 +300,13 @@ class Client {
       }
       const std::string id = absl::StrCat("s", i);
       req.set_request_id(id);
-      if (!rw->Write(req)) break;
+      v1::ScoreStreamRequest message;
+      *message.mutable_request() = req;
+      if (!rw->Write(message)) break;
       sent.emplace(id, std::make_pair(std::move(req), kind));
     }
     rw->WritesDone();
-    v1::ScoreResponse resp;
+    v1::ScoreStreamResponse resp;
     while (rw->Read(&resp)) {
       auto it = sent.find(resp.request_id());
       if (it == sent.end()) {
@@ -312,7 +316,7 @@ class Client {
       }
       const auto code = static_cast<grpc::StatusCode>(resp.status_code());
       tally.Add(it->second.second, grpc::Status(code, resp.status_message()));
-      if (code == grpc::StatusCode::OK) Verify(it->second.first, resp, tally);
+      if (code == grpc::StatusCode::OK) Verify(it->second.first, resp.response(), tally);
       sent.erase(it);
     }
     const grpc::Status s = rw->Finish();

@@ -20,7 +20,7 @@ void Append(std::string* bytes, T value) {
 
 }  // namespace
 
-v1::Tensor FloatTensor(v1::DType dtype, std::span<const float> values,
+v1::Tensor FloatTensor(v1::DataType dtype, std::span<const float> values,
                        const std::vector<int64_t>& shape) {
   v1::Tensor t;
   t.set_dtype(dtype);
@@ -28,10 +28,10 @@ v1::Tensor FloatTensor(v1::DType dtype, std::span<const float> values,
   std::string* bytes = t.mutable_data();
   for (float v : values) {
     switch (dtype) {
-      case v1::BFLOAT16:
+      case v1::DATA_TYPE_BFLOAT16:
         Append(bytes, kernels::FloatToBFloat16(v));
         break;
-      case v1::FLOAT16:
+      case v1::DATA_TYPE_FLOAT16:
         Append(bytes, FloatToFloat16(v));
         break;
       default:
@@ -42,15 +42,15 @@ v1::Tensor FloatTensor(v1::DType dtype, std::span<const float> values,
   return t;
 }
 
-std::vector<float> RoundedTo(v1::DType dtype, std::span<const float> values) {
+std::vector<float> RoundedTo(v1::DataType dtype, std::span<const float> values) {
   std::vector<float> out;
   out.reserve(values.size());
   for (float v : values) {
     switch (dtype) {
-      case v1::BFLOAT16:
+      case v1::DATA_TYPE_BFLOAT16:
         out.push_back(kernels::BFloat16ToFloat(kernels::FloatToBFloat16(v)));
         break;
-      case v1::FLOAT16:
+      case v1::DATA_TYPE_FLOAT16:
         out.push_back(kernels::Float16ToFloat(FloatToFloat16(v)));
         break;
       default:
@@ -61,14 +61,14 @@ std::vector<float> RoundedTo(v1::DType dtype, std::span<const float> values) {
   return out;
 }
 
-v1::Tensor IdTensor(v1::DType dtype, std::span<const int64_t> ids,
+v1::Tensor IdTensor(v1::DataType dtype, std::span<const int64_t> ids,
                     const std::vector<int64_t>& shape) {
   v1::Tensor t;
   t.set_dtype(dtype);
   for (int64_t d : shape) t.add_shape(d);
   std::string* bytes = t.mutable_data();
   for (int64_t id : ids) {
-    if (dtype == v1::INT64) {
+    if (dtype == v1::DATA_TYPE_INT64) {
       Append(bytes, id);
     } else {
       Append(bytes, static_cast<int32_t>(id));

@@ -15,12 +15,12 @@ namespace logitserve::testing {
 
 // A FLOAT32 / BFLOAT16 / FLOAT16 tensor of `values`, rounded to nearest-even for 16-bit types.
 // The shape is recorded as given, not checked against values.size().
-v1::Tensor FloatTensor(v1::DType dtype, std::span<const float> values,
+v1::Tensor FloatTensor(v1::DataType dtype, std::span<const float> values,
                        const std::vector<int64_t>& shape);
 // The same values as `values` would hold after FloatTensor's rounding, as fp32 (exact).
-std::vector<float> RoundedTo(v1::DType dtype, std::span<const float> values);
+std::vector<float> RoundedTo(v1::DataType dtype, std::span<const float> values);
 // An INT32 / INT64 tensor of `ids` (truncated to 32 bits for INT32).
-v1::Tensor IdTensor(v1::DType dtype, std::span<const int64_t> ids,
+v1::Tensor IdTensor(v1::DataType dtype, std::span<const int64_t> ids,
                     const std::vector<int64_t>& shape);
 
 // `n` values drawn from N(0, stddev^2) by std::mt19937 seeded with `seed` (deterministic).

@@ -14,7 +14,7 @@ loss of each sequence; a distillation temperature is applied to both sides separ
 import numpy as np
 
 import logitserve
-from _demo import HIDDEN, parse_args, server_address
+from _demo import parse_args, server_address, stand_in_reference
 
 SEQUENCES, LENGTH = 3, 5
 TEMPERATURE = 1.0
@@ -24,14 +24,16 @@ def main():
     args = parse_args(__doc__.splitlines()[0])
     rng = np.random.default_rng(1)
     n = SEQUENCES * LENGTH
-    student_hidden = rng.normal(0, 1, (n, HIDDEN)).astype(np.float32)
-    teacher_hidden = (student_hidden + rng.normal(0, 0.5, (n, HIDDEN))).astype(np.float32)
     lengths = [LENGTH] * SEQUENCES
-    common = dict(head="policy", hidden=student_hidden, reference_head="reference",
-                  reference_hidden=teacher_hidden, sequence_lengths=lengths, dtype="bf16",
-                  temperature=TEMPERATURE, reference_temperature=TEMPERATURE)
 
     with server_address(args) as address, logitserve.Client(address, token=args.token) as client:
+        heads = client.list_heads()  # hidden sizes come from the server
+        student_hidden = rng.normal(0, 1, (n, heads["policy"].hidden_size)).astype(np.float32)
+        teacher_hidden = stand_in_reference(rng, student_hidden, heads["reference"].hidden_size,
+                                            0.5)
+        common = dict(head="policy", hidden=student_hidden, reference_head="reference",
+                      reference_hidden=teacher_hidden, sequence_lengths=lengths, dtype="bf16",
+                      temperature=TEMPERATURE, reference_temperature=TEMPERATURE)
         kl = client.score(forward_kl=True, reverse_kl=True, entropy=True, reference_entropy=True,
                           **common)
         jsd = {beta: client.score(jsd_beta=beta, **common) for beta in (0.0, 0.1, 0.5, 0.9, 1.0)}

@@ -16,7 +16,7 @@ random stand-ins for the policy's and the reference model's final hidden states.
 import numpy as np
 
 import logitserve
-from _demo import HIDDEN, VOCAB, parse_args, server_address
+from _demo import parse_args, server_address, stand_in_reference
 
 G, PROMPT, COMPLETION = 4, 3, 6   # group size, prompt rows, completion rows per sequence
 L = PROMPT + COMPLETION
@@ -27,11 +27,13 @@ def main():
     args = parse_args(__doc__.splitlines()[0])
     rng = np.random.default_rng(0)
     n = G * (PROMPT + COMPLETION)
-    policy_hidden = rng.normal(0, 1, (n, HIDDEN)).astype(np.float32)
-    ref_hidden = (policy_hidden + rng.normal(0, 0.3, (n, HIDDEN))).astype(np.float32)
     lengths = [PROMPT + COMPLETION] * G
 
     with server_address(args) as address, logitserve.Client(address, token=args.token) as client:
+        heads = client.list_heads()  # vocab and hidden sizes come from the server
+        vocab = heads["policy"].vocab_size
+        policy_hidden = rng.normal(0, 1, (n, heads["policy"].hidden_size)).astype(np.float32)
+        ref_hidden = stand_in_reference(rng, policy_hidden, heads["reference"].hidden_size, 0.3)
         # Sample the completion tokens from p restricted to its top 64 (a stand-in for the
         # rollout engine's sampler), prompts masked with ignore_index.
         top = client.score(head="policy", hidden=policy_hidden, top_k=64, dtype="bf16")
@@ -51,7 +53,7 @@ def main():
     k3 = np.where(is_prompt, 0.0, np.exp(log_ratio) - log_ratio - 1.0)
     exact = np.where(is_prompt, 0.0, pol.reverse_kl)  # KL(p || q) per token, nats
     print("GRPO KL penalty: policy p = head 'policy', reference q = head 'reference', "
-          "vocab %d, %d sequences x %d completion tokens" % (VOCAB, G, COMPLETION))
+          "vocab %d, %d sequences x %d completion tokens" % (vocab, G, COMPLETION))
     print("seq  tokens  mean log p   mean log q   k3 estimate  exact KL(p||q)  penalty")
     row = 0
     for s, length in enumerate(lengths):
@@ -67,7 +69,7 @@ def main():
     assert np.allclose(pol.sequence_sums.reverse_kl, [exact[row:row + L].sum() for row in range(0, n, L)],
                        rtol=1e-5)
     assert np.all(k3[~is_prompt] >= 0) and np.all(pol.reverse_kl >= 0)
-    print("k3 is a one-sample estimate on the sampled token; exact KL sums over all %d tokens." % VOCAB)
+    print("k3 is a one-sample estimate on the sampled token; exact KL sums over all %d tokens." % vocab)
 
 
 if __name__ == "__main__":

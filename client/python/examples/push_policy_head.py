@@ -11,7 +11,7 @@ FAILED_PRECONDITION. The weights here are random stand-ins for an optimizer's up
 import numpy as np
 
 import logitserve
-from _demo import HIDDEN, VOCAB, parse_args, server_address
+from _demo import parse_args, server_address
 
 LIVE_HIDDEN = 128   # a small hidden size keeps each upload at 8 MB of bf16
 STEPS = 3
@@ -21,13 +21,14 @@ ROWS = 6
 def main():
     args = parse_args(__doc__.splitlines()[0])
     rng = np.random.default_rng(2)
-    weight = rng.normal(0, 0.05, (VOCAB, LIVE_HIDDEN)).astype(np.float32)
-    hidden = rng.normal(0, 1, (ROWS, LIVE_HIDDEN)).astype(np.float32)
-    ref_hidden = rng.normal(0, 1, (ROWS, HIDDEN)).astype(np.float32)
-    ids = rng.integers(0, VOCAB, ROWS)
 
     with server_address(args) as address, \
             logitserve.Client(address, token=args.token) as client:
+        reference = client.list_heads()["reference"]  # the live head must match its vocabulary
+        weight = rng.normal(0, 0.05, (reference.vocab_size, LIVE_HIDDEN)).astype(np.float32)
+        hidden = rng.normal(0, 1, (ROWS, LIVE_HIDDEN)).astype(np.float32)
+        ref_hidden = rng.normal(0, 1, (ROWS, reference.hidden_size)).astype(np.float32)
+        ids = rng.integers(0, reference.vocab_size, ROWS)
         versions = []
         print("step  version  mean log p(ids)   mean KL(p||q)   head dtype")
         for step in range(1, STEPS + 1):

@@ -35,8 +35,8 @@ class AsyncClient:
             _wire.SCORE_METHOD, request_serializer=_wire.serialize,
             response_deserializer=_wire.parse_score_response)
         self._score_stream = self._channel.stream_stream(
-            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
-            response_deserializer=_wire.parse_score_response)
+            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize_stream_request,
+            response_deserializer=_wire.parse_stream_response)
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
@@ -51,8 +51,9 @@ class AsyncClient:
                 ch = grpc.aio.insecure_channel(self._s.target, options=opts)
             self._pipeline_channels.append(ch)
         self._pipeline_methods = [
-            ch.stream_stream(_wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
-                             response_deserializer=_wire.parse_score_response)
+            ch.stream_stream(_wire.SCORE_STREAM_METHOD,
+                             request_serializer=_wire.serialize_stream_request,
+                             response_deserializer=_wire.parse_stream_response)
             for ch in self._pipeline_channels]
         self._limits = None
         self._limits_lock = asyncio.Lock()
@@ -174,7 +175,7 @@ class AsyncClient:
                             failed.append((i, resp))
                             cancel_all()
                             return
-                        responses[i] = resp
+                        responses[i] = resp.response
                         window.release()
                 except grpc.aio.AioRpcError as e:
                     errors.append(e)
@@ -237,7 +238,7 @@ class AsyncClient:
                 raise ValueError("score_stream: duplicate request_id %r" % proto.request_id)
             used.add(proto.request_id)
             metas[proto.request_id] = meta
-            return proto
+            return proto  # wrapped in a ScoreStreamRequest by _wire.serialize_stream_request
 
         call = self._score_stream(gen(), timeout=timeout, metadata=self._s.metadata())
         try:
@@ -274,4 +275,4 @@ class AsyncClient:
                                      logits_scaling, final_logit_softcapping, chunk_bytes)
         info = await self._call(lambda m, **kw: self._stub.LoadHead(iter(m), **kw), msgs,
                                 admin=True, timeout=timeout, retry=bool(version))
-        return _api.HeadInfo(info)
+        return _api.HeadInfo(info.head)

@@ -10,7 +10,7 @@ import numpy as np
 from . import _pb
 from ._errors import FailedPrecondition, InvalidArgument, Internal, error_for
 from ._shm import SharedTensor
-from ._tensors import float_array, float_tensor, id_array, slice_rows
+from ._tensors import as_array, dtype_enum, dtype_name, float_array, float_tensor, id_array, slice_rows
 from ._wire import WireRequest
 
 # Headroom kept below the server's max_receive_message_bytes for non-row fields and framing.
@@ -120,11 +120,11 @@ class HeadInfo:
     _DTYPE_NAMES = {"FLOAT32": "fp32", "BFLOAT16": "bf16", "FLOAT16": "fp16"}
 
     def __init__(self, msg):
-        pb2 = _pb.pb2()
         self.name = msg.name
         self.vocab_size = msg.vocab_size
         self.hidden_size = msg.hidden_size
-        self.dtype = self._DTYPE_NAMES.get(pb2.DType.Name(msg.dtype), pb2.DType.Name(msg.dtype))
+        name = dtype_name(msg.dtype)
+        self.dtype = self._DTYPE_NAMES.get(name, name)
         self.version = msg.version
         self.shards = [(s.shard, s.vocab_begin, s.vocab_end) for s in msg.shards]
         self.has_bias = msg.has_bias
@@ -139,11 +139,14 @@ class HeadInfo:
 
 
 class ServerHeads:
-    """ListHeads: `heads` (list of HeadInfo), `backend`, and the server limits."""
+    """ListHeads: `heads` (list of HeadInfo; also `server_heads["policy"]`), `backend`, the
+    server limits, and the server build: `server_version`, `server_git_commit`."""
 
     def __init__(self, msg):
         self.heads = [HeadInfo(h) for h in msg.heads]
         self.backend = msg.backend
+        self.server_version = msg.server_info.version
+        self.server_git_commit = msg.server_info.git_commit
         self.max_top_k = msg.max_top_k
         self.max_tokens_per_request = msg.max_tokens_per_request
         self.max_receive_message_bytes = msg.max_receive_message_bytes
@@ -186,7 +189,7 @@ def build_request(head=None, hidden=None, target_ids=None, reference_head=None,
             t.CopyFrom(value.tensor_message())
             return
         wire, a = id_array(value, field) if ids else float_array(value, dtype, field)
-        t.dtype = getattr(pb2, wire)
+        t.dtype = dtype_enum(wire)
         t.shape.extend(a.shape)
         arrays[field] = a
 
@@ -468,29 +471,30 @@ def assemble(responses, chunks, meta, request_id):
 
 
 def stream_result(resp, meta):
-    """A ScoreStream response: the result, or a failed result carrying its typed error."""
+    """A ScoreStreamResponse: the result, or a failed result carrying its typed error."""
     if resp.status_code:
         res = ScoreResult(resp.request_id)
         res.error = error_for(resp.status_code, resp.status_message)
         return res
     nseq = meta.sequences or 0
-    return assemble([resp], [(0, meta.rows or 0, 0, nseq)], meta, resp.request_id)
+    return assemble([resp.response], [(0, meta.rows or 0, 0, nseq)], meta, resp.request_id)
 
 
 # ---- load_head -----------------------------------------------------------------------------
 
 def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_scaling,
                      final_logit_softcapping, chunk_bytes):
-    """The LoadHeadChunk messages of an upload (spec first, then weight bytes, then bias bytes)."""
+    """The LoadHeadRequest messages of an upload (spec first, then weight bytes, then bias bytes)."""
     pb2 = _pb.pb2()
-    w = np.asarray(weight)
+    w = as_array(weight, "weight")
     if w.ndim != 2:
         raise ValueError("weight: expected a [vocab_size, hidden_size] array, got shape %s" % (w.shape,))
     wt = float_tensor(w, dtype, "weight")
-    wire = {pb2.BFLOAT16: "bf16", pb2.FLOAT16: "fp16", pb2.FLOAT32: "fp32"}[wt.dtype]
+    wire = {pb2.DATA_TYPE_BFLOAT16: "bf16", pb2.DATA_TYPE_FLOAT16: "fp16",
+            pb2.DATA_TYPE_FLOAT32: "fp32"}[wt.dtype]
     bias_bytes = b""
     if bias is not None:
-        b = np.asarray(bias)
+        b = as_array(bias, "bias")
         if b.shape != (w.shape[0],):
             raise ValueError("bias: expected shape [%d], got %s" % (w.shape[0], list(b.shape)))
         if b.dtype == np.uint16 and wire != "bf16":
@@ -506,13 +510,13 @@ def load_head_chunks(name, weight, version, bias, dtype, logit_scale, logits_sca
     msgs = []
     first = True
     for off in range(0, max(len(data), 1), step):
-        m = pb2.LoadHeadChunk(weight_data=data[off:off + step])
+        m = pb2.LoadHeadRequest(weight_data=data[off:off + step])
         if first:
             m.spec.CopyFrom(spec)
             first = False
         msgs.append(m)
     for off in range(0, len(bias_bytes), step):
-        msgs.append(pb2.LoadHeadChunk(bias_data=bias_bytes[off:off + step]))
+        msgs.append(pb2.LoadHeadRequest(bias_data=bias_bytes[off:off + step]))
     return msgs
 
 

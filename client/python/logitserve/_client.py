@@ -138,8 +138,8 @@ class Client:
             _wire.SCORE_METHOD, request_serializer=_wire.serialize,
             response_deserializer=_wire.parse_score_response)
         self._score_stream = self._channel.stream_stream(
-            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
-            response_deserializer=_wire.parse_score_response)
+            _wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize_stream_request,
+            response_deserializer=_wire.parse_stream_response)
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
@@ -154,8 +154,9 @@ class Client:
                 ch = grpc.insecure_channel(self._s.target, options=opts)
             self._pipeline_channels.append(ch)
         self._pipeline_methods = [
-            ch.stream_stream(_wire.SCORE_STREAM_METHOD, request_serializer=_wire.serialize,
-                             response_deserializer=_wire.parse_score_response)
+            ch.stream_stream(_wire.SCORE_STREAM_METHOD,
+                             request_serializer=_wire.serialize_stream_request,
+                             response_deserializer=_wire.parse_stream_response)
             for ch in self._pipeline_channels]
         self._limits = None
         self._lock = threading.Lock()
@@ -295,7 +296,7 @@ class Client:
                             failed.append((i, resp))
                             cancel_all()
                             return
-                        responses[i] = resp
+                        responses[i] = resp.response
                         window.release()
                 except grpc.RpcError as e:
                     errors.append(e)
@@ -398,4 +399,4 @@ class Client:
                                      logits_scaling, final_logit_softcapping, chunk_bytes)
         info = self._call(lambda m, **kw: self._stub.LoadHead(iter(m), **kw), msgs, admin=True,
                           timeout=timeout, retry=bool(version))
-        return _api.HeadInfo(info)
+        return _api.HeadInfo(info.head)

@@ -24,7 +24,8 @@ _SIZE = {"BFLOAT16": 2, "FLOAT16": 2, "FLOAT32": 4, "INT32": 4, "INT64": 8}
 
 class SharedTensor:
     """A tensor the server reads from a registered region: `region` (its registered name),
-    byte `offset`, wire dtype name ("BFLOAT16", "FLOAT16", "FLOAT32", "INT32", "INT64") and
+    byte `offset`, wire dtype name ("BFLOAT16", "FLOAT16", "FLOAT32", "INT32", "INT64": the
+    logitserve.v1.DataType values without their DATA_TYPE_ prefix) and
     `shape`. Pass it to score() wherever an array is accepted."""
 
     __slots__ = ("region", "offset", "dtype", "shape")
@@ -32,7 +33,10 @@ class SharedTensor:
     def __init__(self, region, offset, dtype, shape):
         self.region = region
         self.offset = int(offset)
-        self.dtype = _WIRE.get(str(dtype).lower(), str(dtype).upper())
+        name = str(dtype).upper()
+        if name.startswith("DATA_TYPE_"):  # the proto enum's value names are accepted too
+            name = name[len("DATA_TYPE_"):]
+        self.dtype = _WIRE.get(name.lower(), name)
         if self.dtype not in _SIZE:
             raise ValueError("SharedTensor: unknown dtype %r" % (dtype,))
         self.shape = tuple(int(d) for d in shape)
@@ -48,7 +52,7 @@ class SharedTensor:
 
     def tensor_message(self):
         pb2 = _pb.pb2()
-        return pb2.Tensor(dtype=getattr(pb2, self.dtype), shape=list(self.shape),
+        return pb2.Tensor(dtype=getattr(pb2, "DATA_TYPE_" + self.dtype), shape=list(self.shape),
                           shared_memory=pb2.SharedMemoryRef(region=self.region, offset=self.offset,
                                                             byte_size=self.nbytes))
 
@@ -123,8 +127,8 @@ class SharedMemoryRegion:
         """Copies `array` into the region at `offset` (rounded up to 64 bytes) in wire form (float
         arrays as score()'s `dtype` rules; integer arrays as token ids) and returns its
         SharedTensor."""
-        from ._tensors import float_array, id_array
-        a = np.asarray(array)
+        from ._tensors import as_array, float_array, id_array
+        a = as_array(array, "array")
         wire, data = id_array(a, "array") if a.dtype.kind in "iu" and a.dtype != np.uint16 \
             else float_array(a, dtype, "array")
         offset = -(-int(offset) // _ALIGN) * _ALIGN

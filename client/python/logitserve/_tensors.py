@@ -10,6 +10,10 @@ Floating inputs travel as the dtype chosen by `dtype` (None / "bf16" / "fp16" / 
 
 * float64 goes to bf16 through round-to-odd float32, so the result is the correctly rounded bf16 of
   the float64 value (no double rounding).
+
+torch tensors (CPU) are accepted wherever arrays are, without copying where numpy can share the
+memory: torch.bfloat16 travels as BFLOAT16 bit for bit (like uint16 bits), every other dtype as its
+numpy twin. torch is never imported unless a torch tensor is passed.
 """
 
 import numpy as np
@@ -25,6 +29,24 @@ _FLOAT_DTYPES = {
 
 def _pb2():
     return _pb.pb2()
+
+
+def as_array(x, field):
+    """numpy view of `x`: numpy arrays and sequences as is, torch CPU tensors shared (bf16 as its
+    uint16 bit patterns)."""
+    if type(x).__module__.split(".")[0] != "torch":
+        return np.asarray(x)
+    import torch  # a torch tensor exists, so torch is importable
+
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    t = x.detach()
+    if t.device.type != "cpu":
+        raise TypeError("%s: a torch tensor on %s; pass a CPU tensor (x.cpu())" % (field, t.device))
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def f32_to_bf16_bits(x):
@@ -79,6 +101,16 @@ def to_bf16_bits(x):
     return f32_to_bf16_bits(x.astype(np.float32))
 
 
+def dtype_enum(wire):
+    """The logitserve.v1.DataType value of a wire dtype name ("FLOAT32" -> DATA_TYPE_FLOAT32)."""
+    return getattr(_pb2(), "DATA_TYPE_" + wire)
+
+
+def dtype_name(value):
+    """The wire dtype name of a logitserve.v1.DataType value (DATA_TYPE_FLOAT32 -> "FLOAT32")."""
+    return _pb2().DataType.Name(value).replace("DATA_TYPE_", "", 1)
+
+
 def _wire_dtype(name, field):
     key = str(name).lower()
     if key not in _FLOAT_DTYPES:
@@ -89,7 +121,7 @@ def _wire_dtype(name, field):
 def float_array(array, dtype, field):
     """(wire dtype name, C-contiguous little-endian array of that dtype) for a float input (see
     the module comment for the dtype rules). No copy when the array already is in wire form."""
-    a = np.asarray(array)
+    a = as_array(array, field)
     if a.dtype == np.uint16:
         if dtype is not None and _wire_dtype(dtype, field) != "BFLOAT16":
             raise ValueError("%s: uint16 arrays are bfloat16 bit patterns; dtype must be bf16" % field)
@@ -109,9 +141,9 @@ def float_array(array, dtype, field):
 
 
 def id_array(array, field):
-    """(INT32 or INT64, C-contiguous little-endian array) of token ids (Python ints or any integer
-    numpy dtype); int32 arrays travel as INT32, everything else as INT64."""
-    a = np.asarray(array)
+    """(INT32 or INT64, C-contiguous little-endian array) of token ids (Python ints, any integer
+    numpy dtype, torch tensors); int32 arrays travel as INT32, everything else as INT64."""
+    a = as_array(array, field)
     if a.size == 0 and a.dtype.kind not in "iu":
         a = a.astype(np.int64)
     if a.dtype.kind not in "iu":
@@ -127,14 +159,14 @@ def float_tensor(array, dtype, field):
     """A float Tensor from a numpy array (see the module comment for the dtype rules)."""
     pb2 = _pb2()
     wire, data = float_array(array, dtype, field)
-    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(data.shape), data=data.tobytes())
+    return pb2.Tensor(dtype=dtype_enum(wire), shape=list(data.shape), data=data.tobytes())
 
 
 def id_tensor(array, field):
-    """An INT32/INT64 Tensor of token ids (Python ints or any integer numpy dtype)."""
+    """An INT32/INT64 Tensor of token ids (Python ints, any integer numpy dtype, torch tensors)."""
     pb2 = _pb2()
     wire, data = id_array(array, field)
-    return pb2.Tensor(dtype=getattr(pb2, wire), shape=list(data.shape), data=data.tobytes())
+    return pb2.Tensor(dtype=dtype_enum(wire), shape=list(data.shape), data=data.tobytes())
 
 
 _NUMPY_OF = {"FLOAT32": "<f4", "BFLOAT16": "<u2", "FLOAT16": "<f2", "INT32": "<i4", "INT64": "<i8"}
@@ -142,8 +174,7 @@ _NUMPY_OF = {"FLOAT32": "<f4", "BFLOAT16": "<u2", "FLOAT16": "<f2", "INT32": "<i
 
 def tensor_to_numpy(t):
     """Decodes a Tensor (BFLOAT16 comes back as float32, exactly)."""
-    pb2 = _pb2()
-    name = pb2.DType.Name(t.dtype)
+    name = dtype_name(t.dtype)
     a = np.frombuffer(t.data, dtype=_NUMPY_OF[name]).reshape(tuple(t.shape))
     return bf16_bits_to_f32(a) if name == "BFLOAT16" else a.astype(a.dtype.newbyteorder("="))
 
@@ -157,7 +188,7 @@ def slice_rows(t, begin, end):
     pb2 = _pb2()
     shape = [end - begin] + list(t.shape[1:])
     if t.HasField("shared_memory"):
-        row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * _SIZE_OF[pb2.DType.Name(t.dtype)]
+        row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * _SIZE_OF[dtype_name(t.dtype)]
         ref = pb2.SharedMemoryRef(region=t.shared_memory.region,
                                   offset=t.shared_memory.offset + begin * row_bytes,
                                   byte_size=(end - begin) * row_bytes)

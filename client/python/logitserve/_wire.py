@@ -7,6 +7,11 @@ of the tensor field holding only `data`: protobuf parsers merge repeated occurre
 embedded message, so the server sees one Tensor with dtype, shape and data. The array bytes are
 copied once, into the bytes object gRPC sends; a chunk of rows is a slice of the same arrays.
 
+ScoreStream wraps each request in a ScoreStreamRequest (`request`, field 1) and each answer in a
+ScoreStreamResponse (request_id, response, status_code, status_message): `serialize_stream_request`
+prefixes the same parts with the wrapper's tag and length (no second copy), and
+`parse_stream_response` reads the wrapper and hands `response` to the fast parser.
+
 Responses: `parse_score_response` reads the packed float outputs with numpy.frombuffer, and the
 packed int32 top-k ids with a vectorised varint decode, instead of protobuf's per-element
 containers. Anything it does not expect (an unpacked repeated field, an unknown wire type) falls
@@ -24,6 +29,10 @@ SCORE_STREAM_METHOD = "/logitserve.v1.Scorer/ScoreStream"
 ROW_TENSOR_FIELDS = {"hidden": 3, "logits": 4, "reference_hidden": 7, "reference_logits": 8,
                      "target_ids": 10}
 _TENSOR_DATA_FIELD = 3
+# ScoreStreamRequest.request; ScoreStreamResponse's fields.
+_STREAM_REQUEST_FIELD = 1
+_STREAM_RESPONSE_REQUEST_ID, _STREAM_RESPONSE_RESPONSE = 1, 2
+_STREAM_RESPONSE_STATUS_CODE, _STREAM_RESPONSE_STATUS_MESSAGE = 3, 4
 _LEN = 2  # wire type of length-delimited fields
 
 
@@ -70,10 +79,10 @@ class WireRequest:
         return _pb.pb2().ScoreRequest.FromString(serialize(self))
 
 
-def serialize(request):
-    """Wire bytes of a WireRequest (or of a plain protobuf message)."""
+def _parts(request):
+    """The wire bytes of a WireRequest (or of a plain protobuf message) as a list of buffers."""
     if not isinstance(request, WireRequest):
-        return request.SerializeToString()
+        return [request.SerializeToString()]
     parts = [request.message.SerializeToString()]
     for field, array in request.arrays.items():
         rows = request._rows(array)
@@ -81,7 +90,23 @@ def serialize(request):
         inner = _tag(_TENSOR_DATA_FIELD, _LEN) + _varint(n)
         parts.append(_tag(ROW_TENSOR_FIELDS[field], _LEN) + _varint(len(inner) + n) + inner)
         parts.append(memoryview(rows).cast("B") if n else b"")
-    return b"".join(parts)
+    return parts
+
+
+def serialize(request):
+    """Wire bytes of a WireRequest (or of a plain protobuf message)."""
+    parts = _parts(request)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def serialize_stream_request(request):
+    """Wire bytes of the ScoreStreamRequest carrying `request` (a WireRequest or a ScoreRequest;
+    a ScoreStreamRequest message is sent as it is)."""
+    if type(request).__name__ == "ScoreStreamRequest":
+        return request.SerializeToString()
+    parts = _parts(request)
+    n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+    return b"".join([_tag(_STREAM_REQUEST_FIELD, _LEN) + _varint(n)] + parts)
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -89,7 +114,7 @@ def serialize(request):
 _FLOAT_FIELDS = {2: "target_logprobs", 4: "top_k_logprobs", 5: "entropy", 6: "reference_entropy",
                  7: "forward_kl", 8: "reverse_kl", 9: "jsd"}
 _INT_FIELDS = {10: "target_ids_per_row", 11: "top_k", 13: "head_version",
-               14: "reference_head_version", 15: "queue_us", 16: "compute_us", 18: "status_code"}
+               14: "reference_head_version", 15: "queue_us", 16: "compute_us"}
 _EMPTY_F32 = np.zeros(0, np.float32)
 _EMPTY_I32 = np.zeros(0, np.int32)
 
@@ -100,7 +125,6 @@ class FastResponse:
 
     def __init__(self):
         self.request_id = ""
-        self.status_message = ""
         for name in _FLOAT_FIELDS.values():
             setattr(self, name, _EMPTY_F32)
         self.top_k_ids = _EMPTY_I32
@@ -153,20 +177,71 @@ def _to_int32(v):
 def parse_score_response(data):
     """A FastResponse from ScoreResponse wire bytes (falls back to protobuf when unusual)."""
     try:
-        return _parse_fast(data)
+        return _parse_fast(data, 0, len(data))
     except (ValueError, IndexError, _Unusual):
         return _pb.pb2().ScoreResponse.FromString(data)
+
+
+class StreamResponse:
+    """A ScoreStreamResponse whose `response` is a FastResponse (attribute names of
+    logitserve.v1.ScoreStreamResponse)."""
+
+    __slots__ = ("request_id", "response", "status_code", "status_message")
+
+    def __init__(self):
+        self.request_id = ""
+        self.response = None
+        self.status_code = 0
+        self.status_message = ""
+
+
+def parse_stream_response(data):
+    """A StreamResponse from ScoreStreamResponse wire bytes (falls back to protobuf when
+    unusual)."""
+    try:
+        return _parse_stream_fast(data)
+    except (ValueError, IndexError, _Unusual):
+        return _pb.pb2().ScoreStreamResponse.FromString(data)
 
 
 class _Unusual(Exception):
     pass
 
 
-def _parse_fast(data):
-    pb2 = _pb.pb2()
+def _parse_stream_fast(data):
+    r = StreamResponse()
+    i, n = 0, len(data)
+    while i < n:
+        key, i = _read_varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0 and field == _STREAM_RESPONSE_STATUS_CODE:
+            value, i = _read_varint(data, i)
+            r.status_code = _to_int32(value)
+        elif wire == _LEN:
+            length, i = _read_varint(data, i)
+            end = i + length
+            if end > n:
+                raise ValueError("truncated field")
+            if field == _STREAM_RESPONSE_REQUEST_ID:
+                r.request_id = bytes(data[i:end]).decode("utf-8")
+            elif field == _STREAM_RESPONSE_STATUS_MESSAGE:
+                r.status_message = bytes(data[i:end]).decode("utf-8")
+            elif field == _STREAM_RESPONSE_RESPONSE and r.response is None:
+                r.response = _parse_fast(data, i, end)
+            else:
+                raise _Unusual()  # a repeated embedded message (merged) or an unknown field
+            i = end
+        else:
+            raise _Unusual()
+    if r.response is None:
+        r.response = FastResponse()
+    return r
+
+
+def _parse_fast(data, i, n):
+    """A FastResponse from the ScoreResponse bytes data[i:n]."""
     r = FastResponse()
     floats, ids = {}, []
-    i, n = 0, len(data)
     while i < n:
         key, i = _read_varint(data, i)
         field, wire = key >> 3, key & 7
@@ -174,7 +249,7 @@ def _parse_fast(data):
             value, i = _read_varint(data, i)
             if field not in _INT_FIELDS:
                 raise _Unusual()
-            setattr(r, _INT_FIELDS[field], _to_int32(value) if field == 18 else value)
+            setattr(r, _INT_FIELDS[field], value)
         elif wire == _LEN:
             length, i = _read_varint(data, i)
             end = i + length
@@ -188,8 +263,6 @@ def _parse_fast(data):
                 ids.append(decode_varints(memoryview(data)[i:end]))
             elif field == 1:
                 r.request_id = bytes(data[i:end]).decode("utf-8")
-            elif field == 19:
-                r.status_message = bytes(data[i:end]).decode("utf-8")
             elif field in (12, 17):
                 name = "sequence_sums" if field == 12 else "sequence_means"
                 getattr(r, name).MergeFromString(bytes(data[i:end]))
@@ -204,5 +277,4 @@ def _parse_fast(data):
         setattr(r, _FLOAT_FIELDS[field], a.astype(np.float32, copy=False))
     if ids:
         r.top_k_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
-    del pb2
     return r

@@ -77,10 +77,10 @@ def test_tensor_encoding_conventions():
     from logitserve._pb import pb2
     x = np.array([[1.0, 2.5]], np.float32)
     t = _tensors.float_tensor(x, None, "hidden")
-    assert t.dtype == pb2().FLOAT32 and list(t.shape) == [1, 2] and len(t.data) == 8
+    assert t.dtype == pb2().DATA_TYPE_FLOAT32 and list(t.shape) == [1, 2] and len(t.data) == 8
     t = _tensors.float_tensor(x.astype(np.float16), None, "hidden")
-    assert t.dtype == pb2().FLOAT16 and len(t.data) == 4
+    assert t.dtype == pb2().DATA_TYPE_FLOAT16 and len(t.data) == 4
     t = _tensors.float_tensor(np.array([[0x3F80]], np.uint16), None, "hidden")
-    assert t.dtype == pb2().BFLOAT16 and t.data == b"\x80\x3f"  # little-endian bf16 bits
+    assert t.dtype == pb2().DATA_TYPE_BFLOAT16 and t.data == b"\x80\x3f"  # little-endian bf16 bits
     t = _tensors.float_tensor(x, "bf16", "hidden")
     assert t.data == np.array([0x3F80, 0x4020], "<u2").tobytes()

@@ -26,8 +26,8 @@ def test_request_from_arrays_parses_to_the_full_message():
     got = pb2().ScoreRequest.FromString(_wire.serialize(req))
     want = pb2().ScoreRequest(request_id="w", head="policy", entropy=True, top_k=3,
                               sequence_lengths=[2, 3])
-    want.hidden.CopyFrom(pb2().Tensor(dtype=pb2().BFLOAT16, shape=[5, 8], data=bits.tobytes()))
-    want.target_ids.CopyFrom(pb2().Tensor(dtype=pb2().INT32, shape=[5, 2], data=ids.tobytes()))
+    want.hidden.CopyFrom(pb2().Tensor(dtype=pb2().DATA_TYPE_BFLOAT16, shape=[5, 8], data=bits.tobytes()))
+    want.target_ids.CopyFrom(pb2().Tensor(dtype=pb2().DATA_TYPE_INT32, shape=[5, 2], data=ids.tobytes()))
     assert got == want
 
 
@@ -68,16 +68,46 @@ def test_response_parsed_with_numpy_equals_protobuf():
     np.testing.assert_array_equal(got.top_k_ids, np.asarray(want.top_k_ids, np.int32))
     assert got.top_k_ids.dtype == np.int32
     for name in ("request_id", "target_ids_per_row", "top_k", "head_version",
-                 "reference_head_version", "queue_us", "compute_us", "status_code"):
+                 "reference_head_version", "queue_us", "compute_us"):
         assert getattr(got, name) == getattr(want, name), name
     assert got.sequence_sums == want.sequence_sums and got.HasField("sequence_sums")
     assert not got.HasField("sequence_means")
 
 
+def test_stream_request_is_the_wrapped_request():
+    bits, ids, (req, meta) = _request()
+    got = pb2().ScoreStreamRequest.FromString(_wire.serialize_stream_request(req))
+    assert got.request == req.to_message()
+    chunk = _api.chunk_request(req, _api.plan_chunks(req, meta, 3, 0)[1])
+    got = pb2().ScoreStreamRequest.FromString(_wire.serialize_stream_request(chunk))
+    assert got.request == chunk.to_message()
+    plain = pb2().ScoreRequest(request_id="p", head="policy")
+    assert pb2().ScoreStreamRequest.FromString(
+        _wire.serialize_stream_request(plain)).request == plain
+
+
+def test_stream_responses_parsed_with_numpy_equal_protobuf():
+    want = pb2().ScoreStreamResponse(request_id="r1", response=_response())
+    got = _wire.parse_stream_response(want.SerializeToString())
+    assert isinstance(got, _wire.StreamResponse) and isinstance(got.response, _wire.FastResponse)
+    assert (got.request_id, got.status_code, got.status_message) == ("r1", 0, "")
+    np.testing.assert_array_equal(got.response.entropy,
+                                  np.asarray(want.response.entropy, np.float32))
+    assert got.response.compute_us == want.response.compute_us
+    assert got.response.sequence_sums == want.response.sequence_sums
+
+
 def test_failed_stream_response_and_fallback():
-    failed = pb2().ScoreResponse(request_id="x", status_code=3, status_message="hidden: row 2")
-    got = _wire.parse_score_response(failed.SerializeToString())
+    failed = pb2().ScoreStreamResponse(request_id="x", status_code=3,
+                                       status_message="hidden: row 2")
+    got = _wire.parse_stream_response(failed.SerializeToString())
     assert (got.status_code, got.status_message, got.request_id) == (3, "hidden: row 2", "x")
+    # A negative code (int32 sign-extended on the wire) reads back as protobuf reads it.
+    odd = pb2().ScoreStreamResponse(request_id="y", status_code=-2)
+    assert _wire.parse_stream_response(odd.SerializeToString()).status_code == -2
+    # ScoreResponse's old stream-status fields (18, 19; now reserved): protobuf's fallback.
+    old = b"\x90\x01\x03"  # field 18, varint 3
+    assert _wire.parse_score_response(old).request_id == ""
     # An unpacked repeated float (legal on the wire, never sent by the server): protobuf parses it.
     unpacked = b"\x15" + np.float32(1.25).tobytes()  # field 2, wire type 5
     got = _wire.parse_score_response(unpacked)
