@@ -301,8 +301,11 @@ TEST(LifecycleE2eTest, FatalBackendErrorNotServingThenExitThree) {
       });
     }
     for (std::thread& t : threads) t.join();
+    // A request that reaches the server only as it shuts its listener down after the fault is
+    // cancelled by gRPC itself (seen once in ~10 full-suite runs on the 2-core box): also clean.
     for (const grpc::Status& s : statuses) {
-      EXPECT_THAT(s.error_code(), AnyOf(grpc::StatusCode::INTERNAL, grpc::StatusCode::UNAVAILABLE))
+      EXPECT_THAT(s.error_code(), AnyOf(grpc::StatusCode::INTERNAL, grpc::StatusCode::UNAVAILABLE,
+                                        grpc::StatusCode::CANCELLED))
           << s.error_message();
     }
   }
