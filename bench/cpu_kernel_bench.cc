@@ -23,8 +23,9 @@
 #include "CLI/CLI.hpp"
 #include "hwy/highway.h"
 #include "nlohmann/json.hpp"
-#include "kernels/reference/reference.h"
+#include "tests/reference/job_reference.h"
 #include "server/backend/backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 
 namespace hn = hwy::HWY_NAMESPACE;
 using logitserve::ScoreJob;

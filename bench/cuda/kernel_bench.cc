@@ -34,7 +34,7 @@
 
 #include "CLI/CLI.hpp"
 #include "bench/cuda/bench_fill.h"
-#include "kernels/reference/reference.h"
+#include "tests/reference/job_reference.h"
 #include "logitserve/kernels/cuda_kernels.h"
 #include "logitserve/kernels/dtype.h"
 #include "nlohmann/json.hpp"

@@ -13,8 +13,6 @@
 #include "common/safetensors/safetensors.h"
 #include "common/wire/dtype.h"
 #include "logitserve/kernels/dtype.h"
-// Header-only fp32 -> fp16 rounding; it lives with the heads (its first user).
-#include "server/heads/float16.h"
 
 namespace logitserve::client {
 namespace {
@@ -160,7 +158,7 @@ absl::Status WriteDemoInput(const MakeInputOptions& o) {
           break;
         }
         case kernels::FloatType::kFloat16: {
-          const uint16_t h = FloatToFloat16(v);
+          const uint16_t h = kernels::FloatToFloat16(v);
           std::memcpy(bytes.data() + 2 * i, &h, 2);
           break;
         }

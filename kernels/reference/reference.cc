@@ -11,6 +11,8 @@
 namespace logitserve::reference {
 namespace {
 
+using kernels::SizeOf;
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -20,12 +22,6 @@ bool HasNaN(std::span<const double> lp) {
 
 // A row without any unmasked token (LogSoftmax gives NaN everywhere), or an empty row.
 bool RowUndefined(std::span<const double> lp) { return lp.empty() || HasNaN(lp); }
-
-const uint8_t* RowPointer(const MatrixView& m, int64_t row) {
-  return static_cast<const uint8_t*>(m.data) + static_cast<size_t>(row) *
-                                                   static_cast<size_t>(m.cols) *
-                                                   static_cast<size_t>(kernels::SizeOf(m.type));
-}
 
 // Upcasts n elements of a row exactly.
 std::vector<double> Upcast(kernels::FloatType type, const void* row, int64_t n) {
@@ -144,11 +140,11 @@ double TargetLogProb(std::span<const double> lp, int32_t id, int32_t ignore_inde
   return lp[static_cast<size_t>(id)];
 }
 
-double TransformLogit(const HeadTransform& transform, double dot, double bias, double temperature) {
+double TransformLogit(const Transform& transform, double dot, double bias, double temperature) {
   double x = dot + bias;
-  if (transform.logit_scale != 1.0f) x *= static_cast<double>(transform.logit_scale);
-  if (transform.logits_scaling != 1.0f) x /= static_cast<double>(transform.logits_scaling);
-  if (transform.softcap > 0.0f) {
+  if (transform.logit_scale != 1.0) x *= transform.logit_scale;
+  if (transform.logits_scaling != 1.0) x /= transform.logits_scaling;
+  if (transform.softcap > 0.0) {
     const double c = transform.softcap;
     x = c * std::tanh(x / c);
   }
@@ -156,27 +152,28 @@ double TransformLogit(const HeadTransform& transform, double dot, double bias, d
   return x;
 }
 
-std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab,
-                              double* dot_magnitude) {
-  if (dot_magnitude != nullptr) *dot_magnitude = 0.0;
-  const double temperature = input.temperature;
-  if (!input.hidden_mode()) {
-    std::vector<double> z = Upcast(input.logits.type, RowPointer(input.logits, row), vocab);
-    if (temperature != 1.0) {
-      for (double& x : z) x /= temperature;
-    }
-    return z;
+std::vector<double> LogitsRowLogits(kernels::FloatType type, const void* row, int64_t vocab,
+                                    double temperature) {
+  std::vector<double> z = Upcast(type, row, vocab);
+  if (temperature != 1.0) {
+    for (double& x : z) x /= temperature;
   }
-  const HeadWeights& w = input.head->weights();
-  const int64_t hidden = w.hidden_size;
-  const std::vector<double> h = Upcast(input.hidden.type, RowPointer(input.hidden, row), hidden);
-  const size_t row_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(SizeOf(w.dtype));
+  return z;
+}
+
+std::vector<double> HiddenRowLogits(const Head& head, kernels::FloatType h_type, const void* h_row,
+                                    double temperature, double* dot_magnitude) {
+  const int64_t hidden = head.hidden;
+  const int64_t vocab = head.vocab;
+  const std::vector<double> h = Upcast(h_type, h_row, hidden);
+  const size_t row_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(SizeOf(head.type));
+  const uint8_t* weight = static_cast<const uint8_t*>(head.weight);
   std::vector<double> wj(static_cast<size_t>(hidden));
   std::vector<double> z(static_cast<size_t>(vocab));
   double magnitude = 0.0;
   for (int64_t j = 0; j < vocab; ++j) {
-    const uint8_t* wrow = w.weight.data() + static_cast<size_t>(j) * row_bytes;
-    for (int64_t i = 0; i < hidden; ++i) wj[i] = kernels::LoadAsFloat(w.dtype, wrow, i);
+    const uint8_t* wrow = weight + static_cast<size_t>(j) * row_bytes;
+    for (int64_t i = 0; i < hidden; ++i) wj[i] = kernels::LoadAsFloat(head.type, wrow, i);
     // Each product of two upcast fp32 values is exact in double (24 + 24 < 53 bits); the sum's
     // error (<= H * 2^-53 relative to sum |h W|) is invisible next to fp32's 2^-24.
     double dot = 0.0;
@@ -186,72 +183,11 @@ std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64
       abs_sum += std::abs(h[i] * wj[i]);
     }
     magnitude = std::max(magnitude, abs_sum);
-    const double bias = w.bias.empty() ? 0.0 : static_cast<double>(w.bias[j]);
-    z[j] = TransformLogit(w.transform, dot, bias, temperature);
+    const double bias = head.bias.empty() ? 0.0 : static_cast<double>(head.bias[j]);
+    z[j] = TransformLogit(head.transform, dot, bias, temperature);
   }
   if (dot_magnitude != nullptr) *dot_magnitude = magnitude;
   return z;
-}
-
-double HiddenDotMagnitude(const DistributionInput& input, int64_t row, int64_t vocab) {
-  double magnitude = 0.0;
-  if (input.hidden_mode()) RowLogits(input, row, vocab, &magnitude);
-  return magnitude;
-}
-
-ReferenceRow ScoreReferenceRow(const ScoreJob& job, int64_t row) {
-  ReferenceRow r;
-  constexpr double kNotRequested = std::numeric_limits<double>::quiet_NaN();
-  r.entropy = r.reference_entropy = r.forward_kl = r.reverse_kl = r.jsd = kNotRequested;
-  r.logits = RowLogits(job.model, row, job.vocab, &r.dot_magnitude);
-  r.logprobs = LogSoftmax(r.logits);
-  if (job.NeedsReference()) {
-    r.ref_logits = RowLogits(job.reference, row, job.vocab, &r.ref_dot_magnitude);
-    r.ref_logprobs = LogSoftmax(r.ref_logits);
-  }
-  r.target_logprobs.resize(static_cast<size_t>(std::max(job.ids_per_row, 0)));
-  for (int32_t k = 0; k < job.ids_per_row; ++k) {
-    const size_t i = static_cast<size_t>(row) * job.ids_per_row + k;
-    r.target_logprobs[k] = TargetLogProb(r.logprobs, job.target_ids[i], job.ignore_index);
-  }
-  if (job.top_k > 0) r.top_k = TopK(r.logprobs, job.top_k);
-  if (job.entropy) r.entropy = Entropy(r.logprobs);
-  if (job.reference_entropy) r.reference_entropy = Entropy(r.ref_logprobs);
-  if (job.forward_kl) r.forward_kl = Kl(r.ref_logprobs, r.logprobs);
-  if (job.reverse_kl) r.reverse_kl = Kl(r.logprobs, r.ref_logprobs);
-  if (job.jsd_beta.has_value()) r.jsd = Jsd(r.logprobs, r.ref_logprobs, *job.jsd_beta);
-  return r;
-}
-
-ReferenceResult ScoreReference(const ScoreJob& job) {
-  ReferenceResult out;
-  const size_t rows = static_cast<size_t>(job.rows);
-  if (job.ids_per_row > 0) out.target_logprobs.resize(rows * job.ids_per_row);
-  if (job.top_k > 0) {
-    out.top_k_ids.resize(rows * job.top_k);
-    out.top_k_logprobs.resize(rows * job.top_k);
-  }
-  if (job.entropy) out.entropy.resize(rows);
-  if (job.reference_entropy) out.reference_entropy.resize(rows);
-  if (job.forward_kl) out.forward_kl.resize(rows);
-  if (job.reverse_kl) out.reverse_kl.resize(rows);
-  if (job.jsd_beta.has_value()) out.jsd.resize(rows);
-  for (size_t row = 0; row < rows; ++row) {
-    const ReferenceRow r = ScoreReferenceRow(job, static_cast<int64_t>(row));
-    for (size_t k = 0; k < r.target_logprobs.size(); ++k) {
-      out.target_logprobs[row * job.ids_per_row + k] = r.target_logprobs[k];
-    }
-    for (size_t k = 0; k < r.top_k.size(); ++k) {
-      out.top_k_ids[row * job.top_k + k] = r.top_k[k].id;
-      out.top_k_logprobs[row * job.top_k + k] = r.top_k[k].logprob;
-    }
-    if (job.entropy) out.entropy[row] = r.entropy;
-    if (job.reference_entropy) out.reference_entropy[row] = r.reference_entropy;
-    if (job.forward_kl) out.forward_kl[row] = r.forward_kl;
-    if (job.reverse_kl) out.reverse_kl[row] = r.reverse_kl;
-    if (job.jsd_beta.has_value()) out.jsd[row] = r.jsd;
-  }
-  return out;
 }
 
 }  // namespace logitserve::reference

@@ -16,6 +16,9 @@
 // Inputs in bf16 / fp16 are upcast exactly (dtype.h), so the reference sees the very values the
 // backend sees.
 //
+// It depends on nothing in server/: inputs are spans, raw rows and the plain structs below. The
+// ScoreJob-level oracle the backend suites use (ScoreReference) is tests/reference/job_reference.h.
+//
 // Thread safety: every function is pure; call it from any thread.
 #pragma once
 
@@ -23,8 +26,7 @@
 #include <span>
 #include <vector>
 
-#include "server/backend/backend.h"
-#include "server/heads/head_weights.h"
+#include "logitserve/kernels/dtype.h"
 
 namespace logitserve::reference {
 
@@ -65,61 +67,39 @@ std::vector<TopKItem> TopK(std::span<const double> lp, int k);
 // lp[id], or exactly 0 when id == ignore_index. REQUIRES: id is ignore_index or in range.
 double TargetLogProb(std::span<const double> lp, int32_t id, int32_t ignore_index);
 
+// The head transform as plain numbers (the fields of HeadWeights' HeadTransform; the reference
+// takes no type of the code it checks): z = softcap(scale(dot + bias)) / temperature.
+struct Transform {
+  double logit_scale = 1.0;     // multiplier (1 = none)
+  double logits_scaling = 1.0;  // divisor (1 = none)
+  double softcap = 0.0;         // c (0 = none)
+};
+
 // The head transform and temperature applied to one raw dot product h . W_j in double, in the
 // order of Hugging Face's forward passes: x = dot + bias; x *= logit_scale; x /= logits_scaling;
 // x = c tanh(x / c) when c = softcap > 0; x /= temperature.
-double TransformLogit(const HeadTransform& transform, double dot, double bias, double temperature);
+double TransformLogit(const Transform& transform, double dot, double bias, double temperature);
 
-// Logits of one row of a distribution input, in double.
-//   Logits mode: z_j = upcast(logits[row, j]) / temperature.
-//   Hidden mode: z_j = TransformLogit(sum_i h[row, i] W[j, i], bias_j, temperature), the product
-//   summed in double over exactly upcast elements.
-// When `dot_magnitude` is given it receives, in hidden mode, max_j sum_i |h[row, i] W[j, i]|: the
-// scale of an fp32 dot product's rounding error (|error| <= H u times it); 0 in logits mode.
-std::vector<double> RowLogits(const DistributionInput& input, int64_t row, int64_t vocab,
-                              double* dot_magnitude = nullptr);
+// Logits mode: z_j = upcast(row[j]) / temperature for the `vocab` elements of `type` at `row`.
+std::vector<double> LogitsRowLogits(kernels::FloatType type, const void* row, int64_t vocab,
+                                    double temperature);
 
-// Hidden mode only: max_j sum_i |h[row, i] W[j, i]| (a full pass; RowLogits can return it for
-// free). 0 in logits mode.
-double HiddenDotMagnitude(const DistributionInput& input, int64_t row, int64_t vocab);
-
-// Everything the reference knows about one row of a job: the logits and log-probabilities of
-// both distributions and every requested output (NaN / empty where not requested).
-struct ReferenceRow {
-  std::vector<double> logits;      // model z (after transform and temperature)
-  std::vector<double> logprobs;    // model lp
-  double dot_magnitude = 0.0;      // see RowLogits
-  std::vector<double> ref_logits;  // reference z; empty unless the job needs the reference
-  std::vector<double> ref_logprobs;
-  double ref_dot_magnitude = 0.0;
-  std::vector<double> target_logprobs;  // [ids_per_row]
-  std::vector<TopKItem> top_k;          // [top_k]
-  double entropy = 0.0;                 // H(model)
-  double reference_entropy = 0.0;       // H(reference)
-  double forward_kl = 0.0;              // KL(reference || model)
-  double reverse_kl = 0.0;              // KL(model || reference)
-  double jsd = 0.0;                     // JSD_beta(student = model, teacher = reference)
+// One LM head as the reference reads it: row-major [vocab, hidden] elements of `type` (not
+// owned), `bias` empty or `vocab` values.
+struct Head {
+  kernels::FloatType type = kernels::FloatType::kFloat32;
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  const void* weight = nullptr;
+  std::span<const float> bias;
+  Transform transform;
 };
 
-// Scores row `row` of a job. REQUIRES: as ScoreReference.
-ReferenceRow ScoreReferenceRow(const ScoreJob& job, int64_t row);
-
-// Every output of a ScoreJob, in double, laid out exactly like ScoreResult; a vector is empty
-// when its output was not requested.
-struct ReferenceResult {
-  std::vector<double> target_logprobs;  // [rows * ids_per_row]
-  std::vector<int32_t> top_k_ids;       // [rows * top_k]
-  std::vector<double> top_k_logprobs;   // [rows * top_k]
-  std::vector<double> entropy;          // [rows], H(model)
-  std::vector<double> reference_entropy;
-  std::vector<double> forward_kl;  // KL(reference || model)
-  std::vector<double> reverse_kl;  // KL(model || reference)
-  std::vector<double> jsd;         // JSD_beta(student = model, teacher = reference)
-};
-
-// Scores a whole job with the definitions above. Hidden mode reads job.<input>.head->weights().
-// REQUIRES: the job is valid (what the service validates: shapes, ids, options). NaN / +inf
-// inputs are not rejected here; they propagate.
-ReferenceResult ScoreReference(const ScoreJob& job);
+// Hidden mode: z_j = TransformLogit(sum_i h_i W[j, i], bias_j, temperature) for one hidden row of
+// `head.hidden` elements of `h_type`, the product summed in double over exactly upcast elements.
+// When `dot_magnitude` is given it receives max_j sum_i |h_i W[j, i]|: the scale of an fp32 dot
+// product's rounding error (|error| <= H u times it).
+std::vector<double> HiddenRowLogits(const Head& head, kernels::FloatType h_type, const void* h,
+                                    double temperature, double* dot_magnitude = nullptr);
 
 }  // namespace logitserve::reference

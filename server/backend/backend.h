@@ -19,20 +19,9 @@
 #include "absl/status/statusor.h"
 #include "logitserve/kernels/dtype.h"
 #include "server/heads/head_weights.h"
+#include "server/heads/prepared_head.h"
 
 namespace logitserve {
-
-// A head made ready for one backend (converted, sharded, resident). Opaque to the service.
-class PreparedHead {
- public:
-  explicit PreparedHead(std::shared_ptr<const HeadWeights> weights)
-      : weights_(std::move(weights)) {}
-  virtual ~PreparedHead() = default;
-  const HeadWeights& weights() const { return *weights_; }
-
- private:
-  std::shared_ptr<const HeadWeights> weights_;
-};
 
 // A row-major [rows, cols] matrix of floats in request memory (not owned).
 struct MatrixView {
@@ -131,14 +120,5 @@ class Backend {
   };
   virtual std::vector<MemoryInfo> MemoryUsage() const { return {}; }
 };
-
-struct CpuBackendOptions {
-  int threads = 0;  // 0 = all hardware threads
-  int shards = 1;   // vocabulary shards combined through the in-process Communicator
-  // Explicit shard sizes in blocks of kVocabBlock (tests: uneven / empty shards); empty = even.
-  std::vector<int64_t> shard_weights;
-};
-
-absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options);
 
 }  // namespace logitserve

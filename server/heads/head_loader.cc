@@ -17,7 +17,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors/float_type.h"
-#include "server/heads/float16.h"
 #include "server/heads/hf_checkpoint.h"
 #include "spdlog/spdlog.h"
 
@@ -57,7 +56,7 @@ void FillSyntheticRowsAs(uint64_t key, int64_t hidden, double scale, int64_t row
         std::memcpy(out + col * 4, &value, 4);
       } else {
         const uint16_t bits =
-            kType == FloatType::kBFloat16 ? kernels::FloatToBFloat16(value) : FloatToFloat16(value);
+            kType == FloatType::kBFloat16 ? kernels::FloatToBFloat16(value) : kernels::FloatToFloat16(value);
         std::memcpy(out + col * 2, &bits, 2);
       }
     }
@@ -187,18 +186,6 @@ absl::Status ValidateHeadName(absl::string_view name) {
     }
   }
   return absl::OkStatus();
-}
-
-absl::string_view FloatTypeName(FloatType type) {
-  switch (type) {
-    case FloatType::kFloat32:
-      return "fp32";
-    case FloatType::kBFloat16:
-      return "bf16";
-    case FloatType::kFloat16:
-      return "fp16";
-  }
-  return "?";
 }
 
 absl::StatusOr<SyntheticHeadSpec> ParseSyntheticHeadSpec(absl::string_view spec) {

@@ -60,9 +60,6 @@ absl::Status ValidateHeadTransform(const HeadTransform& transform);
 // loaded. Expects weight.size() == vocab * hidden * SizeOf(dtype) and bias empty or [vocab].
 absl::Status CheckHeadFinite(absl::string_view name, const HeadWeights& head);
 
-// "bf16", "fp16", "fp32": the names of --synthetic-head's dtype= and of logs and test names.
-absl::string_view FloatTypeName(kernels::FloatType type);
-
 struct SyntheticHeadSpec {
   std::string name;
   int64_t vocab = 0;

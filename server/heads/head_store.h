@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "server/backend/backend.h"
+#include "server/heads/prepared_head.h"
 
 namespace logitserve {
 

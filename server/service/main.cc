@@ -32,6 +32,7 @@
 #include "absl/time/time.h"
 #include "common/version/build_info.h"
 #include "server/backend/backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/fault_injection.h"
 #if LOGITSERVE_HAVE_CUDA
 #include "server/backend/cuda/cuda_backend.h"

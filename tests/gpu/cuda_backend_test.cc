@@ -29,6 +29,7 @@
 
 #include "gtest/gtest.h"
 #include "server/backend/backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_tile_gemm.h"
 #include "tests/gpu/cuda_factories.h"
 #include "tests/gpu/gpu_test_env.h"

@@ -23,6 +23,13 @@ BackendFactory CudaFactory(std::string name, int shards, std::vector<int64_t> sh
                         }};
 }
 
+BackendFactory TestBackend(std::string name, int shards, std::vector<int64_t> shard_weights,
+                           int threads) {
+  return CudaFactory("cuda_" + name, shards, std::move(shard_weights), threads);
+}
+
+std::vector<BackendFactory> TestBackends() { return CudaShardConfigs(); }
+
 std::vector<BackendFactory> CudaShardConfigs() {
   return {
       CudaFactory("cuda_1shard", 1, {}, 0),

@@ -1,8 +1,9 @@
 // CUDA backend configurations for the backend suites (tests/kernels/job_builder.h BackendFactory).
 //
 // The suites of tests/kernels (conformance, edge cases, determinism) name their backends through
-// CpuFactory / CpuShardConfigs; tests/gpu/CMakeLists.txt compiles those same sources with the two
-// names redefined to the functions below, so every suite runs unchanged against CudaBackend.
+// TestBackend / TestBackends (job_builder.h); cuda_factories.cc defines those for CudaBackend
+// (TestBackend(name, ...) is CudaFactory("cuda_" + name, ...), TestBackends() CudaShardConfigs()),
+// so the CUDA programs link the same suite sources unchanged.
 #pragma once
 
 #include <cstdint>

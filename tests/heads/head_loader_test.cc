@@ -16,7 +16,6 @@
 #include "common/safetensors/float_type.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/heads/float16.h"
 
 namespace logitserve {
 namespace {
@@ -49,33 +48,33 @@ TEST(Float16Test, ExactOnEveryFloat16Value) {
     const uint16_t bits = static_cast<uint16_t>(h);
     if ((bits & 0x7c00) == 0x7c00 && (bits & 0x3ff) != 0) {  // NaN stays a NaN
       EXPECT_TRUE(
-          std::isnan(kernels::Float16ToFloat(FloatToFloat16(kernels::Float16ToFloat(bits)))));
+          std::isnan(kernels::Float16ToFloat(kernels::FloatToFloat16(kernels::Float16ToFloat(bits)))));
       continue;
     }
-    ASSERT_EQ(FloatToFloat16(kernels::Float16ToFloat(bits)), bits) << std::hex << h;
+    ASSERT_EQ(kernels::FloatToFloat16(kernels::Float16ToFloat(bits)), bits) << std::hex << h;
   }
 }
 
 TEST(Float16Test, RoundsToNearestEven) {
   // Between 1 (0x3c00) and its successor 1 + 2^-10 (0x3c01): ties go to the even 0x3c00, and
   // the tie above 1 + 2^-10 goes up to the even 0x3c02.
-  EXPECT_EQ(FloatToFloat16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);
-  EXPECT_EQ(FloatToFloat16(std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f)), 0x3c01);
-  EXPECT_EQ(FloatToFloat16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);
-  EXPECT_EQ(FloatToFloat16(65504.0f), 0x7bff);
-  EXPECT_EQ(FloatToFloat16(65519.0f), 0x7bff);
-  EXPECT_EQ(FloatToFloat16(65520.0f), 0x7c00);  // tie between 65504 and 2^16 -> inf
-  EXPECT_EQ(FloatToFloat16(-std::numeric_limits<float>::infinity()), 0xfc00);
-  EXPECT_EQ(FloatToFloat16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
-  EXPECT_EQ(FloatToFloat16(std::ldexp(1.0f, -25)), 0x0000);  // tie -> even zero
-  EXPECT_EQ(FloatToFloat16(std::ldexp(1.5f, -25)), 0x0001);
-  EXPECT_EQ(FloatToFloat16(std::ldexp(3.0f, -25)), 0x0002);  // 1.5 ulp tie -> even 2
-  EXPECT_EQ(FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -26)), 0x0400);  // to normal
+  EXPECT_EQ(kernels::FloatToFloat16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);
+  EXPECT_EQ(kernels::FloatToFloat16(std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f)), 0x3c01);
+  EXPECT_EQ(kernels::FloatToFloat16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);
+  EXPECT_EQ(kernels::FloatToFloat16(65504.0f), 0x7bff);
+  EXPECT_EQ(kernels::FloatToFloat16(65519.0f), 0x7bff);
+  EXPECT_EQ(kernels::FloatToFloat16(65520.0f), 0x7c00);  // tie between 65504 and 2^16 -> inf
+  EXPECT_EQ(kernels::FloatToFloat16(-std::numeric_limits<float>::infinity()), 0xfc00);
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -25)), 0x0000);  // tie -> even zero
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.5f, -25)), 0x0001);
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(3.0f, -25)), 0x0002);  // 1.5 ulp tie -> even 2
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -26)), 0x0400);  // to normal
   // The tie between the largest subnormal (0x03ff, odd) and the smallest normal: up, to even.
-  EXPECT_EQ(FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25)), 0x0400);
-  EXPECT_EQ(FloatToFloat16(-std::ldexp(1.0f, -14)), 0x8400);  // smallest normal, negative
-  EXPECT_EQ(FloatToFloat16(-0.0f), 0x8000);
-  EXPECT_EQ(FloatToFloat16(1e-30f), 0x0000);
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25)), 0x0400);
+  EXPECT_EQ(kernels::FloatToFloat16(-std::ldexp(1.0f, -14)), 0x8400);  // smallest normal, negative
+  EXPECT_EQ(kernels::FloatToFloat16(-0.0f), 0x8000);
+  EXPECT_EQ(kernels::FloatToFloat16(1e-30f), 0x0000);
 }
 
 // ---- synthetic heads -------------------------------------------------------------------------
@@ -266,7 +265,7 @@ HeadFile WriteHeadFile(const std::string& name, FloatType dtype, int64_t vocab, 
       n = 4;
     } else {
       const uint16_t bits =
-          dtype == FloatType::kBFloat16 ? kernels::FloatToBFloat16(v) : FloatToFloat16(v);
+          dtype == FloatType::kBFloat16 ? kernels::FloatToBFloat16(v) : kernels::FloatToFloat16(v);
       std::memcpy(bytes, &bits, 2);
     }
     out.weight_bytes.insert(out.weight_bytes.end(), bytes, bytes + n);

@@ -11,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "gtest/gtest.h"
-#include "server/heads/float16.h"
 
 namespace logitserve::testing {
 
@@ -27,7 +26,7 @@ std::vector<uint8_t> EncodeValues(SafetensorsDType dtype, const std::vector<floa
       case SafetensorsDType::kBFloat16:
       case SafetensorsDType::kFloat16: {
         const uint16_t bits =
-            dtype == SafetensorsDType::kBFloat16 ? kernels::FloatToBFloat16(v) : FloatToFloat16(v);
+            dtype == SafetensorsDType::kBFloat16 ? kernels::FloatToBFloat16(v) : kernels::FloatToFloat16(v);
         std::memcpy(bytes, &bits, 2);
         n = 2;
         break;

@@ -24,7 +24,7 @@
 //   vocabularies V in {1, 17, 111} (one partial block) with N in {0, 1, 7, 257} on every shard
 //   configuration, softcap + bias with (bf16, bf16), and on one shard also (fp32, fp32) without a
 //   transform: cheap, and 257 rows cross several GEMM row tiles.
-//   Shard configurations: CpuShardConfigs() plus trailing empty shards {1, 0} and {2, 1, 0}.
+//   Shard configurations: TestBackends() plus trailing empty shards {1, 0} and {2, 1, 0}.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,13 +43,13 @@ namespace {
 
 constexpr double kLogitStd = 3.0;  // realistic spread of LM-head logits
 
-// Every configuration of CpuShardConfigs(), plus trailing empty shards: {1, 0} and {2, 1, 0}
+// Every configuration of TestBackends(), plus trailing empty shards: {1, 0} and {2, 1, 0}
 // (blocks per shard), where the last shard owns no vocabulary and the one before it ends on a
 // partial block whenever V % kVocabBlock != 0.
 std::vector<BackendFactory> Backends() {
-  std::vector<BackendFactory> backends = CpuShardConfigs();
-  backends.push_back(CpuFactory("cpu_empty_last_1_0", 2, {1, 0}, 2));
-  backends.push_back(CpuFactory("cpu_empty_last_2_1_0", 3, {2, 1, 0}, 2));
+  std::vector<BackendFactory> backends = TestBackends();
+  backends.push_back(TestBackend("empty_last_1_0", 2, {1, 0}, 2));
+  backends.push_back(TestBackend("empty_last_2_1_0", 3, {2, 1, 0}, 2));
   return backends;
 }
 

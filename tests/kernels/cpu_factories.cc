@@ -1,7 +1,10 @@
-// The CPU backend configurations the backend suites sweep (see job_builder.h).
+// The CPU backend configurations: CpuFactory, and the link-time TestBackend / TestBackends of
+// job_builder.h for the programs that run the backend suites against CpuBackend.
+#include "tests/kernels/cpu_factories.h"
+
 #include <utility>
 
-#include "tests/kernels/job_builder.h"
+#include "server/backend/cpu/cpu_backend.h"
 
 namespace logitserve::testing {
 
@@ -14,13 +17,18 @@ BackendFactory CpuFactory(std::string name, int shards, std::vector<int64_t> sha
   return BackendFactory{std::move(name), [options]() { return CreateCpuBackend(options); }};
 }
 
-std::vector<BackendFactory> CpuShardConfigs() {
+BackendFactory TestBackend(std::string name, int shards, std::vector<int64_t> shard_weights,
+                           int threads) {
+  return CpuFactory("cpu_" + name, shards, std::move(shard_weights), threads);
+}
+
+std::vector<BackendFactory> TestBackends() {
   return {
-      CpuFactory("cpu_1shard", 1),
-      CpuFactory("cpu_2shards", 2),
-      CpuFactory("cpu_3shards", 3),
-      CpuFactory("cpu_uneven_1_3", 2, {1, 3}),
-      CpuFactory("cpu_empty_1_0_2", 3, {1, 0, 2}),
+      TestBackend("1shard", 1),
+      TestBackend("2shards", 2),
+      TestBackend("3shards", 3),
+      TestBackend("uneven_1_3", 2, {1, 3}),
+      TestBackend("empty_1_0_2", 3, {1, 0, 2}),
   };
 }
 

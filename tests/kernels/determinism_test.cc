@@ -75,11 +75,11 @@ TEST(Determinism, LogitsRowBitsIndependentOfBatchPositionAndShards) {
       batches.emplace_back(p, job(Embed(rng, m, v, p.n, p.pos), Embed(rng, r, v, p.n, p.pos),
                                   EmbedIds(rng, ids, v, p.n, p.pos), p.n));
     }
-    std::unique_ptr<Backend> first = MustCreate(CpuShardConfigs()[0]);
+    std::unique_ptr<Backend> first = MustCreate(TestBackends()[0]);
     ASSERT_NE(first, nullptr);
     LOGITSERVE_ASSERT_SCORE(baseline, *first, alone.job);
     ExpectMatchesReference(alone.job, baseline);  // the bits being compared are also right
-    for (const BackendFactory& f : CpuShardConfigs()) {
+    for (const BackendFactory& f : TestBackends()) {
       SCOPED_TRACE(f.name);
       std::unique_ptr<Backend> b = MustCreate(f);
       ASSERT_NE(b, nullptr);
@@ -109,7 +109,7 @@ TEST(Determinism, SameBitsForFp32Bf16Fp16Inputs) {
     ASSERT_EQ(RoundTo(FloatType::kFloat16, x), x);
   }
   const std::vector<int32_t> ids = RandomTargets(rng, n, 2, v, -100, 0.2);
-  std::unique_ptr<Backend> b = MustCreate(CpuFactory("cpu_3shards", 3));
+  std::unique_ptr<Backend> b = MustCreate(TestBackend("3shards", 3));
   ASSERT_NE(b, nullptr);
   for (float temperature : {1.0f, 0.7f}) {
     SCOPED_TRACE(temperature);
@@ -147,7 +147,7 @@ TEST(Determinism, OutputsDoNotDependOnOtherRequestedOutputs) {
   const SharedMatrix mm = Share(Encode(FloatType::kBFloat16, n, v, m));
   const SharedMatrix rr = Share(Encode(FloatType::kBFloat16, n, v, r));
   const std::vector<int32_t> ids = RandomTargets(rng, n, 2, v, -100, 0.2);
-  std::unique_ptr<Backend> b = MustCreate(CpuFactory("cpu_2shards", 2));
+  std::unique_ptr<Backend> b = MustCreate(TestBackend("2shards", 2));
   ASSERT_NE(b, nullptr);
   OwnedJob all;
   all.SetModelLogits(mm).SetReferenceLogits(rr).WithEverything(ids, 2, 3, 0.3f);
@@ -194,7 +194,7 @@ TEST(Determinism, ConcurrentCallsGiveSameBits) {
   j.SetModelLogits(Share(Encode(FloatType::kFloat32, n, v, RandomNormal(rng, n * v, 3.0))))
       .SetReferenceLogits(Share(Encode(FloatType::kFloat32, n, v, RandomNormal(rng, n * v, 3.0))));
   j.WithEverything(RandomTargets(rng, n, 2, v, -100, 0.2), 2, 4, 0.3f);
-  std::unique_ptr<Backend> b = MustCreate(CpuFactory("cpu_2shards", 2));
+  std::unique_ptr<Backend> b = MustCreate(TestBackend("2shards", 2));
   ASSERT_NE(b, nullptr);
   LOGITSERVE_ASSERT_SCORE(lone, *b, j.job);
   constexpr int kThreads = 3, kRepeats = 4;
@@ -250,8 +250,8 @@ TEST(Determinism, HiddenRowBitsIndependentOfBatchPositionShardsAndDtype) {
   }
 
   std::unique_ptr<ScoreResult> baseline;
-  const std::vector<BackendFactory> configs = {CpuShardConfigs()[0], CpuShardConfigs()[1],
-                                               CpuShardConfigs()[2], CpuShardConfigs()[4]};
+  const std::vector<BackendFactory> configs = {TestBackends()[0], TestBackends()[1],
+                                               TestBackends()[2], TestBackends()[4]};
   for (const BackendFactory& f : configs) {
     SCOPED_TRACE(f.name);
     std::unique_ptr<Backend> b = MustCreate(f);

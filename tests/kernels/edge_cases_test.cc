@@ -15,7 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/reference/reference.h"
+#include "tests/reference/job_reference.h"
 #include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
 
@@ -36,7 +36,7 @@ const std::vector<FloatType> kAllTypes = {FloatType::kFloat32, FloatType::kBFloa
                                           FloatType::kFloat16};
 
 std::vector<BackendFactory> EdgeBackends() {
-  return {CpuFactory("cpu_1shard", 1), CpuFactory("cpu_empty_1_0_2", 3, {1, 0, 2})};
+  return {TestBackend("1shard", 1), TestBackend("empty_1_0_2", 3, {1, 0, 2})};
 }
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
@@ -502,9 +502,9 @@ TEST_P(EdgeCases, IgnoreIndexInsideTheVocabulary) {
 // or shard holds them; masked tokens rank after every unmasked one, in id order too. The expected
 // ids follow from the rule alone (the harness checks the values and the reference's ids as well).
 TEST(EdgeCasesTopK, TiesGoToTheSmallerIdOnEveryShardLayout) {
-  const std::vector<BackendFactory> layouts = {CpuFactory("cpu_1shard", 1),
-                                               CpuFactory("cpu_3shards", 3),
-                                               CpuFactory("cpu_empty_1_0_2", 3, {1, 0, 2})};
+  const std::vector<BackendFactory> layouts = {TestBackend("1shard", 1),
+                                               TestBackend("3shards", 3),
+                                               TestBackend("empty_1_0_2", 3, {1, 0, 2})};
   // Rows over V = 5000 (three blocks): 0 constant; 1 zeros with five 2.0s spread over every
   // block; 2 only three unmasked tokens (fewer than k), two of them tied.
   std::vector<float> z(3 * kV, 0.0f);
@@ -621,11 +621,11 @@ INSTANTIATE_TEST_SUITE_P(Backends, JsdEndpoints, ::testing::ValuesIn(EdgeBackend
 // the layouts are contiguous, ordered and block-aligned. (CPU specific: it builds its own shard
 // configurations.)
 TEST(EdgeCasesCpu, UnevenAndEmptyShards) {
-  std::vector<BackendFactory> configs = CpuShardConfigs();
-  configs.push_back(CpuFactory("cpu_empty_first_0_1", 2, {0, 1}));
-  configs.push_back(CpuFactory("cpu_empty_last_1_0", 2, {1, 0}));
-  configs.push_back(CpuFactory("cpu_empty_last_2_1_0", 3, {2, 1, 0}));
-  configs.push_back(CpuFactory("cpu_5shards", 5));  // more shards than blocks at V = 5000
+  std::vector<BackendFactory> configs = TestBackends();
+  configs.push_back(TestBackend("empty_first_0_1", 2, {0, 1}));
+  configs.push_back(TestBackend("empty_last_1_0", 2, {1, 0}));
+  configs.push_back(TestBackend("empty_last_2_1_0", 3, {2, 1, 0}));
+  configs.push_back(TestBackend("5shards", 5));  // more shards than blocks at V = 5000
   std::mt19937_64 rng(14);
   for (int64_t v : {kV, int64_t{32000}}) {
     SCOPED_TRACE("V = " + std::to_string(v));

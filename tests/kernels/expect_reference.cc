@@ -10,7 +10,7 @@
 #include <set>
 #include <vector>
 
-#include "kernels/reference/reference.h"
+#include "tests/reference/job_reference.h"
 
 namespace logitserve::testing {
 namespace {

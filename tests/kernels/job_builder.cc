@@ -5,7 +5,7 @@
 #include <limits>
 #include <utility>
 
-#include "server/heads/float16.h"
+#include "logitserve/kernels/dtype.h"
 
 namespace logitserve::testing {
 
@@ -17,7 +17,7 @@ float RoundTo(FloatType type, float f) {
       return kernels::BFloat16ToFloat(kernels::FloatToBFloat16(f));
     case FloatType::kFloat16:
     default:
-      return kernels::Float16ToFloat(FloatToFloat16(f));
+      return kernels::Float16ToFloat(kernels::FloatToFloat16(f));
   }
 }
 
@@ -49,7 +49,7 @@ HostMatrix Encode(FloatType type, int64_t rows, int64_t cols, const std::vector<
         break;
       }
       case FloatType::kFloat16: {
-        const uint16_t h = FloatToFloat16(values[i]);
+        const uint16_t h = kernels::FloatToFloat16(values[i]);
         std::memcpy(m.bytes.data() + 2 * i, &h, 2);
         break;
       }

@@ -16,7 +16,6 @@
 #include "absl/status/statusor.h"
 #include "logitserve/kernels/dtype.h"
 #include "server/backend/backend.h"
-#include "server/heads/head_loader.h"
 #include "server/heads/head_weights.h"
 
 namespace logitserve::testing {
@@ -24,11 +23,11 @@ namespace logitserve::testing {
 using kernels::FloatType;
 
 // fp32 -> `type` -> fp32: the value a backend reads when `f` is sent as `type` (round to nearest
-// even: kernels::FloatToBFloat16, logitserve::FloatToFloat16).
+// even: kernels::FloatToBFloat16, kernels::FloatToFloat16).
 float RoundTo(FloatType type, float f);
 
-// "fp32", "bf16", "fp16" (head_loader's FloatTypeName, as a std::string for test names).
-inline std::string DTypeName(FloatType type) { return std::string(FloatTypeName(type)); }
+// "fp32", "bf16", "fp16" (kernels::FloatTypeName, as a std::string for test names).
+inline std::string DTypeName(FloatType type) { return std::string(kernels::FloatTypeName(type)); }
 
 // A row-major [rows, cols] matrix owned by the test, encoded in one of the float types.
 struct HostMatrix {
@@ -122,14 +121,18 @@ struct BackendFactory {
 // gtest prints a parameter by its name.
 inline void PrintTo(const BackendFactory& f, std::ostream* os) { *os << f.name; }
 
-// The CPU backend with `threads` threads and the given shard layout (see CpuBackendOptions).
-// Defined in cpu_factories.cc, which only the backend suites compile.
-BackendFactory CpuFactory(std::string name, int shards, std::vector<int64_t> shard_weights = {},
-                          int threads = 2);
+// The backend under test, chosen at link time: a suite's program links exactly one definition,
+// tests/kernels/cpu_factories.cc (CpuBackend, `threads` host threads) or tests/gpu/
+// cuda_factories.cc (CudaBackend: one GPU per shard when that many are visible, else all shards
+// on GPU 0; `threads` ignored). `name` names the layout without the backend ("2shards"); the
+// factory is named "<backend>_<name>" ("cpu_2shards", "cuda_2shards").
+BackendFactory TestBackend(std::string name, int shards, std::vector<int64_t> shard_weights = {},
+                           int threads = 2);
 
-// The shard configurations every suite sweeps on the CPU backend: one shard, two even, three even,
-// uneven {1, 3}, and {1, 0, 2} whose middle shard is empty.
-std::vector<BackendFactory> CpuShardConfigs();
+// The shard layouts every suite sweeps on the backend under test: one shard, two even, three
+// even, uneven {1, 3}, and {1, 0, 2} whose middle shard is empty (CUDA adds the trailing empty
+// shards {1, 0} and {2, 1, 0}).
+std::vector<BackendFactory> TestBackends();
 
 // Runs a job; the status is returned, the result filled on success.
 absl::StatusOr<ScoreResult> RunJob(Backend& backend, const ScoreJob& job);

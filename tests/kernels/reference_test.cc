@@ -1,5 +1,6 @@
 // The fp64 reference against closed forms, and the test-support encoders it relies on.
 #include "kernels/reference/reference.h"
+#include "tests/reference/job_reference.h"
 
 #include <cmath>
 #include <cstring>
@@ -144,13 +145,13 @@ TEST(ReferenceTest, LargeOffsetIsExact) {
 }
 
 TEST(ReferenceTest, TransformOrder) {
-  HeadTransform t;
+  reference::Transform t;
   EXPECT_EQ(reference::TransformLogit(t, 3.0, 0.5, 1.0), 3.5);
   t.logit_scale = 0.5f;
   EXPECT_EQ(reference::TransformLogit(t, 10.0, 2.0, 1.0), 6.0);  // (dot + bias) * scale
   t.softcap = 5.0f;
   EXPECT_DOUBLE_EQ(reference::TransformLogit(t, 10.0, 2.0, 2.0), 5.0 * std::tanh(1.2) / 2.0);
-  HeadTransform granite;
+  reference::Transform granite;
   granite.logits_scaling = 4.0f;
   EXPECT_EQ(reference::TransformLogit(granite, 10.0, 2.0, 1.0), 3.0);  // (dot + bias) / scaling
 }

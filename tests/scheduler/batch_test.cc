@@ -5,6 +5,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/kernels/expect_reference.h"
+#include "tests/kernels/cpu_factories.h"
 #include "tests/kernels/job_builder.h"
 
 namespace logitserve {

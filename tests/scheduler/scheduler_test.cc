@@ -14,6 +14,7 @@
 #include "server/backend/fault_injection.h"
 #include "server/backend/forwarding_backend.h"
 #include "tests/kernels/expect_reference.h"
+#include "tests/kernels/cpu_factories.h"
 #include "tests/kernels/job_builder.h"
 
 namespace logitserve {

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "logitserve/kernels/dtype.h"
-#include "server/heads/float16.h"
 
 namespace logitserve::testing {
 
@@ -32,7 +31,7 @@ v1::Tensor FloatTensor(v1::DataType dtype, std::span<const float> values,
         Append(bytes, kernels::FloatToBFloat16(v));
         break;
       case v1::DATA_TYPE_FLOAT16:
-        Append(bytes, FloatToFloat16(v));
+        Append(bytes, kernels::FloatToFloat16(v));
         break;
       default:
         Append(bytes, v);
@@ -51,7 +50,7 @@ std::vector<float> RoundedTo(v1::DataType dtype, std::span<const float> values) 
         out.push_back(kernels::BFloat16ToFloat(kernels::FloatToBFloat16(v)));
         break;
       case v1::DATA_TYPE_FLOAT16:
-        out.push_back(kernels::Float16ToFloat(FloatToFloat16(v)));
+        out.push_back(kernels::Float16ToFloat(kernels::FloatToFloat16(v)));
         break;
       default:
         out.push_back(v);

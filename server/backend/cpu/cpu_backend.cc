@@ -24,9 +24,10 @@
 #include "absl/synchronization/mutex.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
-#include "server/backend/cpu_tile_gemm.h"
+#include "server/backend/cpu/cpu_tile_gemm.h"
 #include "server/backend/shard_layout.h"
 
 namespace logitserve {

@@ -1,4 +1,4 @@
-#include "server/backend/cpu_tile_gemm.h"
+#include "server/backend/cpu/cpu_tile_gemm.h"
 
 #include <exception>
 
