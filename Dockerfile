@@ -84,7 +84,7 @@ RUN set -eux; \
 #    the current security updates), NVIDIA's pinned to the exact versions built against.
 RUN set -eux; \
     mkdir -p /out/bin; \
-    cp /build/server/service/logitserve /build/client/cli/logitserve-cli /out/bin/; \
+    cp /build/server/logitserve /build/client/cli/logitserve-cli /out/bin/; \
     strip --strip-unneeded /out/bin/*; \
     export LD_LIBRARY_PATH="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib"; \
     if ldd /out/bin/* | grep -q 'not found'; then ldd /out/bin/*; exit 1; fi; \

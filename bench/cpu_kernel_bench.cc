@@ -23,9 +23,9 @@
 #include "CLI/CLI.hpp"
 #include "hwy/highway.h"
 #include "nlohmann/json.hpp"
-#include "tests/reference/job_reference.h"
 #include "server/backend/backend.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "tests/reference/job_reference.h"
 
 namespace hn = hwy::HWY_NAMESPACE;
 using logitserve::ScoreJob;
@@ -59,8 +59,9 @@ double BestMs(int iters, F&& f) {
   for (int i = 0; i < iters; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    best = std::min(best, std::chrono::duration<double, std::milli>(
-                              std::chrono::steady_clock::now() - t0).count());
+    best = std::min(
+        best,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   return best;
 }
@@ -123,7 +124,8 @@ int main(int argc, char** argv) {
     for (auto& x : b) x = nd(rng);
   }
   std::vector<int32_t> ids(static_cast<size_t>(rows));
-  for (int64_t i = 0; i < rows; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);
+  for (int64_t i = 0; i < rows; ++i)
+    ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);
 
   volatile float sink = 0;
   const double read_ms = BestMs(iters, [&] { sink = sink + ParallelSum(a.data(), n, threads); });
@@ -147,10 +149,11 @@ int main(int argc, char** argv) {
       {"kl (fwd+rev)", 2, [](ScoreJob& j) { j.forward_kl = j.reverse_kl = true; }},
       {"jsd(0.5)", 2, [](ScoreJob& j) { j.jsd_beta = 0.5f; }},
   };
-  std::printf("logitserve-cpu-bench: fp32 logits [%ld x %ld], %d threads\n", static_cast<long>(rows),
-              static_cast<long>(vocab), threads);
+  std::printf("logitserve-cpu-bench: fp32 logits [%ld x %ld], %d threads\n",
+              static_cast<long>(rows), static_cast<long>(vocab), threads);
   std::printf("read floor: %.2f GB/s (parallel SIMD sum over %.0f MB)\n", floor_gbs, bytes / 1e6);
-  std::printf("%-14s %10s %10s %10s %8s %7s\n", "op", "time_ms", "GB/s", "floor_ms", "ratio", "#wrong");
+  std::printf("%-14s %10s %10s %10s %8s %7s\n", "op", "time_ms", "GB/s", "floor_ms", "ratio",
+              "#wrong");
   nlohmann::json out;
   out["rows"] = rows;
   out["vocab"] = vocab;
@@ -179,9 +182,12 @@ int main(int argc, char** argv) {
     total_wrong += wrong;
     const double op_bytes = bytes * op.reads;
     const double floor_ms = op_bytes / (floor_gbs * 1e6);
-    std::printf("%-14s %10.2f %10.2f %10.2f %8.2f %7d\n", op.name.c_str(), ms, op_bytes / (ms * 1e6),
-                floor_ms, ms / floor_ms, wrong);
-    out["ops"].push_back({{"op", op.name}, {"ms", ms}, {"floor_ms", floor_ms}, {"ratio", ms / floor_ms},
+    std::printf("%-14s %10.2f %10.2f %10.2f %8.2f %7d\n", op.name.c_str(), ms,
+                op_bytes / (ms * 1e6), floor_ms, ms / floor_ms, wrong);
+    out["ops"].push_back({{"op", op.name},
+                          {"ms", ms},
+                          {"floor_ms", floor_ms},
+                          {"ratio", ms / floor_ms},
                           {"wrong", wrong}});
   }
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";

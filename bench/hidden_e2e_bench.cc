@@ -73,7 +73,8 @@ int main(int argc, char** argv) {
   ids->set_dtype(logitserve::v1::DATA_TYPE_INT32);
   ids->add_shape(rows);
   std::vector<int32_t> iv(static_cast<size_t>(rows));
-  for (int64_t i = 0; i < rows; ++i) iv[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);
+  for (int64_t i = 0; i < rows; ++i)
+    iv[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);
   ids->set_data(iv.data(), iv.size() * 4);
 
   double best = 1e30, best_compute = 0;
@@ -82,13 +83,15 @@ int main(int argc, char** argv) {
     logitserve::v1::ScoreResponse resp;
     const auto t0 = std::chrono::steady_clock::now();
     auto st = stub->Score(&ctx, req, &resp);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!st.ok()) {
       std::fprintf(stderr, "Score: %s\n", st.error_message().c_str());
       return 1;
     }
     if (resp.entropy_size() != rows) {
-      std::fprintf(stderr, "Score returned %d entropies for %ld rows\n", resp.entropy_size(), static_cast<long>(rows));
+      std::fprintf(stderr, "Score returned %d entropies for %ld rows\n", resp.entropy_size(),
+                   static_cast<long>(rows));
       return 1;
     }
     if (ms < best) {
@@ -97,12 +100,13 @@ int main(int argc, char** argv) {
     }
   }
   const double gflop = 2.0 * rows * hidden * vocab / 1e9;
-  std::printf("hidden e2e: N=%ld H=%ld V=%ld  best %.1f ms (server compute %.1f ms)  %.1f GFLOP/s\n",
-              static_cast<long>(rows), static_cast<long>(hidden), static_cast<long>(vocab), best,
-              best_compute, gflop / (best / 1e3));
+  std::printf(
+      "hidden e2e: N=%ld H=%ld V=%ld  best %.1f ms (server compute %.1f ms)  %.1f GFLOP/s\n",
+      static_cast<long>(rows), static_cast<long>(hidden), static_cast<long>(vocab), best,
+      best_compute, gflop / (best / 1e3));
   if (!json_path.empty()) {
-    nlohmann::json out = {{"rows", rows}, {"hidden", hidden}, {"vocab", vocab}, {"ms", best},
-                          {"compute_ms", best_compute}, {"gflop", gflop}};
+    nlohmann::json out = {{"rows", rows}, {"hidden", hidden},           {"vocab", vocab},
+                          {"ms", best},   {"compute_ms", best_compute}, {"gflop", gflop}};
     std::ofstream(json_path) << out.dump(2) << "\n";
   }
   return 0;

@@ -117,7 +117,7 @@ def main():
 
     # Hidden mode end to end over gRPC.
     server = subprocess.Popen(
-        [os.path.join(args.build, "server/service/logitserve"), "--backend", "cpu", "--listen",
+        [os.path.join(args.build, "server/logitserve"), "--backend", "cpu", "--listen",
          "127.0.0.1:0", "--synthetic-head", f"policy:vocab={V},hidden={H},seed=1"],
         stdout=subprocess.PIPE, text=True)
     try:

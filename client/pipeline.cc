@@ -18,9 +18,9 @@ namespace logitserve::client {
 namespace {
 
 constexpr const char* kScoreStreamMethod = "/logitserve.v1.Scorer/ScoreStream";
-constexpr int kTensorDataField = 3;  // Tensor.data
+constexpr int kTensorDataField = 3;     // Tensor.data
 constexpr int kStreamRequestField = 1;  // ScoreStreamRequest.request
-constexpr int kLengthDelimited = 2;  // protobuf wire type
+constexpr int kLengthDelimited = 2;     // protobuf wire type
 
 void AppendVarint(uint64_t v, std::string& out) {
   while (v >= 0x80) {

@@ -11,7 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 BUILD_DIR="${BUILD_DIR:-build}"
-SERVER="$BUILD_DIR/server/service/logitserve"
+SERVER="$BUILD_DIR/server/logitserve"
 CLI="$BUILD_DIR/client/cli/logitserve-cli"
 START_TIMEOUT_S="${START_TIMEOUT_S:-120}"
 

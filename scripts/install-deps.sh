@@ -15,7 +15,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-grpcio python3-protobuf python3-pytest python3-pip python3-venv python3-wheel
   python3-setuptools python3-build python3-yaml yamllint libopenblas0-pthread
-  clang-14 libclang-rt-14-dev libfuzzer-14-dev openssl curl
+  clang-14 clang-format-14 libclang-rt-14-dev libfuzzer-14-dev openssl curl
 )
 # Node.js and npm for tests/tooling (buf, grpc-js, kubernetes-models); a node that is already on
 # PATH (e.g. from NodeSource) is used as it is.

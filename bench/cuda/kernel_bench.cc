@@ -34,13 +34,13 @@
 
 #include "CLI/CLI.hpp"
 #include "bench/cuda/bench_fill.h"
-#include "tests/reference/job_reference.h"
 #include "logitserve/kernels/cuda_kernels.h"
 #include "logitserve/kernels/dtype.h"
 #include "nlohmann/json.hpp"
 #include "server/backend/backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/cuda_tile_gemm.h"
+#include "tests/reference/job_reference.h"
 
 namespace {
 

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/tensor.h"
+#include "common/base/read_file.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 
 namespace logitserve::bench {
@@ -90,24 +91,8 @@ double LatencyHistogram::Snapshot::QuantileNanos(double q) const {
 // Small helpers
 
 std::string StatusCodeName(int code) {
-  static constexpr const char* kNames[] = {"OK",
-                                           "CANCELLED",
-                                           "UNKNOWN",
-                                           "INVALID_ARGUMENT",
-                                           "DEADLINE_EXCEEDED",
-                                           "NOT_FOUND",
-                                           "ALREADY_EXISTS",
-                                           "PERMISSION_DENIED",
-                                           "RESOURCE_EXHAUSTED",
-                                           "FAILED_PRECONDITION",
-                                           "ABORTED",
-                                           "OUT_OF_RANGE",
-                                           "UNIMPLEMENTED",
-                                           "INTERNAL",
-                                           "UNAVAILABLE",
-                                           "DATA_LOSS",
-                                           "UNAUTHENTICATED"};
-  if (code >= 0 && code <= 16) return kNames[code];
+  // gRPC codes are google.rpc.Code, whose names absl::StatusCodeToString holds.
+  if (code >= 0 && code <= 16) return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
   return absl::StrCat("CODE_", code);
 }
 
@@ -134,11 +119,9 @@ absl::StatusOr<std::chrono::nanoseconds> ParseDuration(const std::string& text) 
 namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot read '", path, "'"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  absl::StatusOr<std::string> contents = ReadFileToString(path);
+  if (!contents.ok()) return absl::NotFoundError(absl::StrCat(what, ": cannot read '", path, "'"));
+  return contents;
 }
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }

@@ -33,7 +33,7 @@ if [[ -x "$BUILD/logitserve" ]]; then  # flat bundle layout
   export LD_LIBRARY_PATH="$BUILD/../lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   export NCCL_NVLS_ENABLE=0
 else
-  SERVER="$BUILD/server/service/logitserve"
+  SERVER="$BUILD/server/logitserve"
   RPC_BENCH="$BUILD/bench/rpc/logitserve-rpc-bench"
   LOAD_BENCH="$BUILD/bench/load/logitserve-bench"
 fi

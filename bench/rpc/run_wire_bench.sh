@@ -30,7 +30,7 @@ if [[ -x "$BUILD/logitserve" ]]; then  # flat bundle layout
   export PYTHONPATH="$BUILD/../python:${PYTHONPATH:-}"
   export NCCL_NVLS_ENABLE=0
 else
-  SERVER="$BUILD/server/service/logitserve"
+  SERVER="$BUILD/server/logitserve"
   BENCH="$BUILD/bench/rpc/logitserve-wire-bench"
   if [[ -d "$BUILD/client/python/venv" ]]; then PYTHON="$BUILD/client/python/venv/bin/python"; fi
 fi

@@ -265,7 +265,8 @@ int main(int argc, char** argv) {
         std::memcpy(static_cast<char*>((*shm)->data()) + hidden_bytes, in.ids.data(),
                     in.ids.size() * 4);
         v1::ScoreRequest by_shm = BaseRequest(head);
-        *by_shm.mutable_hidden() = lc::SharedMemoryTensor(name, 0, v1::DATA_TYPE_BFLOAT16, {rows, hidden});
+        *by_shm.mutable_hidden() =
+            lc::SharedMemoryTensor(name, 0, v1::DATA_TYPE_BFLOAT16, {rows, hidden});
         *by_shm.mutable_target_ids() =
             lc::SharedMemoryTensor(name, hidden_bytes, v1::DATA_TYPE_INT32, {rows});
         (void)(*unpiped)->Score(by_shm);

@@ -40,11 +40,11 @@ struct MakeInputOptions {
   int64_t vocab = 32000;       // V: target ids are drawn from [0, V); logits have V columns
   uint64_t seed = 0;
   v1::DataType dtype = v1::DATA_TYPE_BFLOAT16;  // FLOAT32, BFLOAT16 or FLOAT16
-  int64_t targets_per_row = 1;        // K; 0 writes no target_ids
-  bool reference = false;             // also write reference_hidden / reference_logits
-  int64_t reference_hidden_size = 0;  // H_ref (0 = H)
-  bool logits = false;                // write logits [N, V] instead of hidden [N, H]
-  double scale = 1.0;                 // standard deviation of the normal values
+  int64_t targets_per_row = 1;                  // K; 0 writes no target_ids
+  bool reference = false;                       // also write reference_hidden / reference_logits
+  int64_t reference_hidden_size = 0;            // H_ref (0 = H)
+  bool logits = false;                          // write logits [N, V] instead of hidden [N, H]
+  double scale = 1.0;                           // standard deviation of the normal values
 };
 
 // Writes a file of i.i.d. normal(0, scale^2) values (rounded to `dtype`) and uniform target ids,

@@ -23,6 +23,7 @@
 #include "client/cli/input_file.h"
 #include "client/cli/output.h"
 #include "client/client.h"
+#include "common/base/read_file.h"
 #include "common/version/build_info.h"
 
 namespace logitserve::client {
@@ -64,11 +65,9 @@ void AddConnectionFlags(CLI::App& app, ConnectionFlags& f) {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError("cannot read " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  absl::StatusOr<std::string> contents = ReadFileToString(path);
+  if (!contents.ok()) return absl::NotFoundError("cannot read " + path);
+  return contents;
 }
 
 int Fail(const absl::Status& status, int code) {

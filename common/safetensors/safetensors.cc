@@ -17,6 +17,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace logitserve {
@@ -184,11 +185,10 @@ absl::StatusOr<SafetensorsTensor> ParseTensorInfo(const std::string& name, const
   uint64_t elements = 1;
   bool overflow = false;
   for (size_t i = 0; i < shape.size(); ++i) {
-    absl::StatusOr<uint64_t> dim =
-        NonNegativeInt(shape[i], source, absl::StrCat(where, ": dimension ", i));
-    if (!dim.ok()) return dim.status();
-    tensor.shape.push_back(static_cast<int64_t>(*dim));
-    overflow = overflow || __builtin_mul_overflow(elements, *dim, &elements);
+    LOGITSERVE_ASSIGN_OR_RETURN(
+        uint64_t dim, NonNegativeInt(shape[i], source, absl::StrCat(where, ": dimension ", i)));
+    tensor.shape.push_back(static_cast<int64_t>(dim));
+    overflow = overflow || __builtin_mul_overflow(elements, dim, &elements);
   }
   uint64_t bytes = 0;
   overflow =
@@ -203,30 +203,29 @@ absl::StatusOr<SafetensorsTensor> ParseTensorInfo(const std::string& name, const
   if (!offsets.is_array() || offsets.size() != 2) {
     return Invalid(source, absl::StrCat(where, ": \"data_offsets\" must be an array [begin, end]"));
   }
-  absl::StatusOr<uint64_t> begin =
-      NonNegativeInt(offsets[0], source, absl::StrCat(where, ": data_offsets begin"));
-  if (!begin.ok()) return begin.status();
-  absl::StatusOr<uint64_t> end =
-      NonNegativeInt(offsets[1], source, absl::StrCat(where, ": data_offsets end"));
-  if (!end.ok()) return end.status();
-  if (*begin > *end) {
-    return Invalid(source, absl::StrCat(where, ": data_offsets [", *begin, ", ", *end,
+  LOGITSERVE_ASSIGN_OR_RETURN(
+      uint64_t begin,
+      NonNegativeInt(offsets[0], source, absl::StrCat(where, ": data_offsets begin")));
+  LOGITSERVE_ASSIGN_OR_RETURN(
+      uint64_t end, NonNegativeInt(offsets[1], source, absl::StrCat(where, ": data_offsets end")));
+  if (begin > end) {
+    return Invalid(source, absl::StrCat(where, ": data_offsets [", begin, ", ", end,
                                         "] end before they begin"));
   }
-  if (*end - *begin != bytes) {
-    return Invalid(source, absl::StrCat(where, ": size mismatch: data_offsets [", *begin, ", ",
-                                        *end, "] span ", *end - *begin, " bytes but shape [",
-                                        absl::StrJoin(tensor.shape, ", "), "] of ", dtype_name,
-                                        " needs ", bytes, " bytes"));
+  if (end - begin != bytes) {
+    return Invalid(
+        source, absl::StrCat(where, ": size mismatch: data_offsets [", begin, ", ", end, "] span ",
+                             end - begin, " bytes but shape [", absl::StrJoin(tensor.shape, ", "),
+                             "] of ", dtype_name, " needs ", bytes, " bytes"));
   }
-  if (*end > buffer_size) {
+  if (end > buffer_size) {
     return Invalid(source,
-                   absl::StrCat(where, ": data_offsets [", *begin, ", ", *end,
+                   absl::StrCat(where, ": data_offsets [", begin, ", ", end,
                                 "] out of range: the data buffer is ", buffer_size, " bytes"));
   }
-  tensor.data = buffer + *begin;
+  tensor.data = buffer + begin;
   tensor.bytes = static_cast<size_t>(bytes);
-  *placed = Placed{absl::string_view(), *begin, *end};
+  *placed = Placed{absl::string_view(), begin, end};
   return tensor;
 }
 
@@ -427,9 +426,8 @@ absl::StatusOr<SafetensorsView> ParseSafetensors(absl::Span<const uint8_t> bytes
   if (text.empty() || text.front() != '{') {
     return Invalid(source, "header does not start with '{'");
   }
-  absl::StatusOr<ParsedHeader> header = ParseHeaderJson(text, source);
-  if (!header.ok()) return header.status();
-  if (!header->json.is_object()) {
+  LOGITSERVE_ASSIGN_OR_RETURN(ParsedHeader header, ParseHeaderJson(text, source));
+  if (!header.json.is_object()) {
     return Invalid(source, "header is not a JSON object");
   }
 
@@ -438,18 +436,17 @@ absl::StatusOr<SafetensorsView> ParseSafetensors(absl::Span<const uint8_t> bytes
   SafetensorsView view;
   view.source_ = std::string(source);
   std::vector<Placed> placed;
-  placed.reserve(header->json.size());
-  for (const auto& [name, info] : header->json.items()) {
+  placed.reserve(header.json.size());
+  for (const auto& [name, info] : header.json.items()) {
     if (name == kMetadataKey) {
       absl::Status s = ParseMetadata(info, source, &view.metadata_);
       if (!s.ok()) return s;
       continue;
     }
     Placed p;
-    absl::StatusOr<SafetensorsTensor> tensor =
-        ParseTensorInfo(name, info, buffer, buffer_size, source, &p);
-    if (!tensor.ok()) return tensor.status();
-    auto [it, inserted] = view.tensors_.emplace(name, *std::move(tensor));
+    LOGITSERVE_ASSIGN_OR_RETURN(SafetensorsTensor tensor,
+                                ParseTensorInfo(name, info, buffer, buffer_size, source, &p));
+    auto [it, inserted] = view.tensors_.emplace(name, std::move(tensor));
     p.name = it->first;  // a stable key: std::map nodes do not move
     placed.push_back(p);
   }
@@ -489,10 +486,12 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     return absl::ErrnoToStatus(map_errno, absl::StrCat("cannot mmap safetensors file ", path));
   }
   file.mapping_ = mapping;
-  absl::StatusOr<SafetensorsView> view = ParseSafetensors(
-      absl::Span<const uint8_t>(static_cast<const uint8_t*>(mapping), file.size_), path);
-  if (!view.ok()) return view.status();  // `file` unmaps on return
-  file.view_ = *std::move(view);
+  // On an error, `file` unmaps the mapping as it goes out of scope.
+  LOGITSERVE_ASSIGN_OR_RETURN(
+      SafetensorsView view,
+      ParseSafetensors(absl::Span<const uint8_t>(static_cast<const uint8_t*>(mapping), file.size_),
+                       path));
+  file.view_ = std::move(view);
   return file;
 }
 
@@ -522,14 +521,13 @@ void SafetensorsFile::Unmap() {
 absl::StatusOr<std::vector<uint8_t>> SerializeSafetensors(
     absl::Span<const SafetensorsTensorToWrite> tensors,
     const std::map<std::string, std::string>& metadata) {
-  absl::StatusOr<std::string> header = BuildHeader(tensors, metadata);
-  if (!header.ok()) return header.status();
-  size_t total = 8 + header->size();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::string header, BuildHeader(tensors, metadata));
+  size_t total = 8 + header.size();
   for (const SafetensorsTensorToWrite& t : tensors) total += t.data.size();
   std::vector<uint8_t> out(8);
   out.reserve(total);
-  PutLittleEndian64(header->size(), out.data());
-  out.insert(out.end(), header->begin(), header->end());
+  PutLittleEndian64(header.size(), out.data());
+  out.insert(out.end(), header.begin(), header.end());
   for (const SafetensorsTensorToWrite& t : tensors) {
     out.insert(out.end(), t.data.begin(), t.data.end());
   }
@@ -539,8 +537,7 @@ absl::StatusOr<std::vector<uint8_t>> SerializeSafetensors(
 absl::Status WriteSafetensors(const std::string& path,
                               absl::Span<const SafetensorsTensorToWrite> tensors,
                               const std::map<std::string, std::string>& metadata) {
-  absl::StatusOr<std::string> header = BuildHeader(tensors, metadata);
-  if (!header.ok()) return header.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::string header, BuildHeader(tensors, metadata));
 
   static std::atomic<uint64_t> counter{0};
   const std::string temp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter.fetch_add(1));
@@ -548,10 +545,10 @@ absl::Status WriteSafetensors(const std::string& path,
   if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot create ", temp));
 
   uint8_t prefix[8];
-  PutLittleEndian64(header->size(), prefix);
+  PutLittleEndian64(header.size(), prefix);
   absl::Status status = WriteAll(fd, prefix, sizeof(prefix), temp);
   if (status.ok()) {
-    status = WriteAll(fd, reinterpret_cast<const uint8_t*>(header->data()), header->size(), temp);
+    status = WriteAll(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size(), temp);
   }
   for (const SafetensorsTensorToWrite& t : tensors) {
     if (!status.ok()) break;

@@ -8,6 +8,9 @@
 // pairwise by Highway's ReduceSum, and the tail is handled by a masked final vector. The result of
 // a block therefore depends only on its values (and the ISA chosen at start-up).
 
+// Highway's foreach_target.h re-includes this file once per target and must come first, before
+// the headers it re-reads: the includes are kept out of clang-format's regrouping.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/cpu_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -19,6 +22,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "logitserve/kernels/cpu_kernels.h"
+// clang-format on
 
 HWY_BEFORE_NAMESPACE();
 namespace logitserve::kernels {
@@ -46,14 +50,16 @@ void ToFloatImpl(FloatType type, const void* src, int64_t n, float temperature, 
     const hn::Rebind<hwy::bfloat16_t, DF> dbf;
     const auto* s = static_cast<const hwy::bfloat16_t*>(src);
     int64_t i = 0;
-    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dbf, s + i)), d, dst + i);
+    for (; i + lanes <= n; i += lanes)
+      hn::StoreU(hn::PromoteTo(d, hn::LoadU(dbf, s + i)), d, dst + i);
     const auto* bits = static_cast<const uint16_t*>(src);
     for (; i < n; ++i) dst[i] = BFloat16ToFloat(bits[i]);
   } else {
     const hn::Rebind<hwy::float16_t, DF> dh;
     const auto* s = static_cast<const hwy::float16_t*>(src);
     int64_t i = 0;
-    for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + i)), d, dst + i);
+    for (; i + lanes <= n; i += lanes)
+      hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + i)), d, dst + i);
     const auto* bits = static_cast<const uint16_t*>(src);
     for (; i < n; ++i) dst[i] = Float16ToFloat(bits[i]);
   }
@@ -105,7 +111,7 @@ void ApplyTransformImpl(const LogitTransform& t, float* z, int64_t n) {
 HWY_INLINE VF ExpNonPositive(DF d, VF x) {
   const hn::RebindToSigned<DF> di;
   const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
-  VF f = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);  // ln2 high part, exact product
+  VF f = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);     // ln2 high part, exact product
   f = hn::NegMulAdd(n, hn::Set(d, 1.428606765330187045e-6f), f);  // ln2 low part
   VF p = hn::Set(d, 1.0f / 5040.0f);
   p = hn::MulAdd(p, f, hn::Set(d, 1.0f / 720.0f));
@@ -224,8 +230,8 @@ PairBlockStats PairBlockStatsImpl(const float* HWY_RESTRICT a, const float* HWY_
 }
 
 // JsdToken of block_stats.h, lane by lane: two exps and one log per token.
-float JsdBlockImpl(const float* HWY_RESTRICT s, const float* HWY_RESTRICT t, int64_t n,
-                   RowNorm ns, RowNorm nt, float beta) {
+float JsdBlockImpl(const float* HWY_RESTRICT s, const float* HWY_RESTRICT t, int64_t n, RowNorm ns,
+                   RowNorm nt, float beta) {
   const DF d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF ms = hn::Set(d, ns.m), ls = hn::Set(d, ns.log_s);

@@ -35,8 +35,8 @@ struct MatrixView {
 // One distribution's input: hidden states times a head (hidden mode), or raw logits.
 struct DistributionInput {
   std::shared_ptr<const PreparedHead> head;  // set in hidden mode
-  MatrixView hidden;                          // [N, H] in hidden mode
-  MatrixView logits;                          // [N, V] in logits mode
+  MatrixView hidden;                         // [N, H] in hidden mode
+  MatrixView logits;                         // [N, V] in logits mode
   float temperature = 1.0f;
   // Request field names, for error messages ("logits", "reference_hidden", ...).
   std::string field;

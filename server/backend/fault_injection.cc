@@ -73,8 +73,23 @@ absl::StatusOr<std::unique_ptr<Backend>> WrapWithTestFault(std::unique_ptr<Backe
   if (kind == "slow-tile") {
     return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), -1, value));
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--test-fault '", spec, "': unknown fault '", kind, "' (fatal-after, slow-tile)"));
+  return absl::InvalidArgumentError(absl::StrCat("--test-fault '", spec, "': unknown fault '", kind,
+                                                 "' (fatal-after, slow-tile)"));
+}
+
+bool IsCudaTestFault(const std::string& spec) {
+  for (const char* kind : {"skip-collective:", "stall:", "sticky-error:"}) {
+    if (spec.rfind(kind, 0) == 0) return true;
+  }
+  return false;
+}
+
+std::chrono::milliseconds SlowLoadDelay(const std::string& spec) {
+  constexpr char kSlowLoadFault[] = "slow-load:";
+  int ms = 0;
+  if (spec.rfind(kSlowLoadFault, 0) != 0) return std::chrono::milliseconds(0);
+  if (!absl::SimpleAtoi(spec.substr(sizeof(kSlowLoadFault) - 1), &ms) || ms < 0) ms = 0;
+  return std::chrono::milliseconds(ms);
 }
 
 }  // namespace logitserve

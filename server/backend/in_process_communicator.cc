@@ -31,7 +31,8 @@ class InProcessCommunicator final : public Communicator {
         status = absl::InternalError("AllGather: ranks disagree on the message size");
         continue;
       }
-      if (bytes > 0) std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes, data, bytes);
+      if (bytes > 0)
+        std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes, data, bytes);
     }
     group_->Wait();  // nobody reuses its send buffer before every rank has read it
     return status;

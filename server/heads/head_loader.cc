@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/base/status_macros.h"
 #include "common/safetensors/float_type.h"
 #include "server/heads/hf_checkpoint.h"
 #include "spdlog/spdlog.h"
@@ -55,8 +56,8 @@ void FillSyntheticRowsAs(uint64_t key, int64_t hidden, double scale, int64_t row
       if constexpr (kType == FloatType::kFloat32) {
         std::memcpy(out + col * 4, &value, 4);
       } else {
-        const uint16_t bits =
-            kType == FloatType::kBFloat16 ? kernels::FloatToBFloat16(value) : kernels::FloatToFloat16(value);
+        const uint16_t bits = kType == FloatType::kBFloat16 ? kernels::FloatToBFloat16(value)
+                                                            : kernels::FloatToFloat16(value);
         std::memcpy(out + col * 2, &bits, 2);
       }
     }
@@ -153,8 +154,8 @@ absl::Status ValidateHeadTransform(const HeadTransform& transform) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " ", value, " must be finite and > 0 (1 = none)"));
   };
-  if (absl::Status s = positive("logit_scale", transform.logit_scale); !s.ok()) return s;
-  if (absl::Status s = positive("logits_scaling", transform.logits_scaling); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(positive("logit_scale", transform.logit_scale));
+  LOGITSERVE_RETURN_IF_ERROR(positive("logits_scaling", transform.logits_scaling));
   if (transform.logit_scale != 1.0f && transform.logits_scaling != 1.0f) {
     return absl::InvalidArgumentError(absl::StrCat(
         "logit_scale ", transform.logit_scale, " and logits_scaling ", transform.logits_scaling,
@@ -254,8 +255,8 @@ absl::StatusOr<SyntheticHeadSpec> ParseSyntheticHeadSpec(absl::string_view spec)
 absl::StatusOr<std::shared_ptr<HeadWeights>> MakeSyntheticHead(absl::string_view name,
                                                                int64_t vocab, int64_t hidden,
                                                                uint64_t seed, FloatType dtype) {
-  if (absl::Status s = ValidateHeadName(name); !s.ok()) return s;
-  if (absl::Status s = ValidateHeadShape(name, vocab, hidden, dtype); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(ValidateHeadName(name));
+  LOGITSERVE_RETURN_IF_ERROR(ValidateHeadShape(name, vocab, hidden, dtype));
   const auto start = std::chrono::steady_clock::now();
 
   auto head = std::make_shared<HeadWeights>();
@@ -306,7 +307,7 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> MakeSyntheticHead(const SyntheticHe
 absl::StatusOr<std::shared_ptr<HeadWeights>> LoadSafetensorsHead(absl::string_view name,
                                                                  const std::string& path,
                                                                  absl::string_view tensor_name) {
-  if (absl::Status s = ValidateHeadName(name); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(ValidateHeadName(name));
   const auto start = std::chrono::steady_clock::now();
   const auto fail = [&](absl::string_view problem) {
     return absl::InvalidArgumentError(
@@ -389,9 +390,8 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> ParseHeadFlag(absl::string_view fla
       return LoadHfHead(flag.substr(0, eq), path);
     }
   }
-  absl::StatusOr<HeadFileSpec> spec = ParseHeadFileSpec(flag);
-  if (!spec.ok()) return spec.status();
-  return LoadSafetensorsHead(spec->name, spec->path, spec->tensor);
+  LOGITSERVE_ASSIGN_OR_RETURN(HeadFileSpec spec, ParseHeadFileSpec(flag));
+  return LoadSafetensorsHead(spec.name, spec.path, spec.tensor);
 }
 
 }  // namespace logitserve

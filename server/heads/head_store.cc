@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "server/heads/head_loader.h"
 
 namespace logitserve {
@@ -16,7 +17,7 @@ absl::Status CheckHead(const std::shared_ptr<const PreparedHead>& head) {
 }  // namespace
 
 absl::Status HeadStore::Add(std::shared_ptr<const PreparedHead> head) {
-  if (absl::Status s = CheckHead(head); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(CheckHead(head));
   const std::string& name = head->weights().name;
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = heads_.try_emplace(name, std::move(head));
@@ -29,7 +30,7 @@ absl::Status HeadStore::Add(std::shared_ptr<const PreparedHead> head) {
 
 absl::StatusOr<std::shared_ptr<const PreparedHead>> HeadStore::Replace(
     std::shared_ptr<const PreparedHead> head) {
-  if (absl::Status s = CheckHead(head); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(CheckHead(head));
   const std::string& name = head->weights().name;
   absl::MutexLock lock(&mu_);
   auto it = heads_.find(name);

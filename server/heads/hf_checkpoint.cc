@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status_macros.h"
 #include "common/safetensors/float_type.h"
 #include "common/safetensors/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -159,12 +160,10 @@ class Checkpoint {
     }
     out.description_ = index_path;
     out.sharded_ = true;
-    absl::StatusOr<std::string> text = ReadSmallFile(index_path);
-    if (!text.ok()) return text.status();
-    absl::StatusOr<Json> index = ParseJson(*text, index_path);
-    if (!index.ok()) return index.status();
-    const auto map = index->is_object() ? index->find("weight_map") : index->end();
-    if (map == index->end() || !map->is_object()) {
+    LOGITSERVE_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path));
+    LOGITSERVE_ASSIGN_OR_RETURN(Json index, ParseJson(text, index_path));
+    const auto map = index.is_object() ? index.find("weight_map") : index.end();
+    if (map == index.end() || !map->is_object()) {
       return absl::InvalidArgumentError(
           absl::StrCat(index_path, ": \"weight_map\" is missing or not an object"));
     }
@@ -243,9 +242,9 @@ class Checkpoint {
   absl::StatusOr<const SafetensorsFile*> FileNamed(const std::string& file_name) const {
     auto it = open_.find(file_name);
     if (it == open_.end()) {
-      absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(JoinPath(dir_, file_name));
-      if (!file.ok()) return file.status();
-      it = open_.emplace(file_name, std::make_unique<SafetensorsFile>(*std::move(file))).first;
+      LOGITSERVE_ASSIGN_OR_RETURN(SafetensorsFile file,
+                                  SafetensorsFile::Open(JoinPath(dir_, file_name)));
+      it = open_.emplace(file_name, std::make_unique<SafetensorsFile>(std::move(file))).first;
     }
     return it->second.get();
   }
@@ -267,21 +266,20 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 }  // namespace
 
 absl::StatusOr<HfHeadConfig> ParseHfConfig(absl::string_view json_text, absl::string_view source) {
-  absl::StatusOr<Json> config = ParseJson(std::string(json_text), source);
-  if (!config.ok()) return config.status();
-  if (!config->is_object()) {
+  LOGITSERVE_ASSIGN_OR_RETURN(Json config, ParseJson(std::string(json_text), source));
+  if (!config.is_object()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(source, ": must be a JSON object, got ", config->type_name()));
+        absl::StrCat(source, ": must be a JSON object, got ", config.type_name()));
   }
   HfHeadConfig out;
-  absl::StatusOr<int64_t> vocab = RequiredSize(*config, source, "vocab_size", kMaxHeadVocab);
-  if (!vocab.ok()) return vocab.status();
-  absl::StatusOr<int64_t> hidden = RequiredSize(*config, source, "hidden_size", kMaxHeadHidden);
-  if (!hidden.ok()) return hidden.status();
-  out.vocab_size = *vocab;
-  out.hidden_size = *hidden;
+  LOGITSERVE_ASSIGN_OR_RETURN(int64_t vocab,
+                              RequiredSize(config, source, "vocab_size", kMaxHeadVocab));
+  LOGITSERVE_ASSIGN_OR_RETURN(int64_t hidden,
+                              RequiredSize(config, source, "hidden_size", kMaxHeadHidden));
+  out.vocab_size = vocab;
+  out.hidden_size = hidden;
 
-  const Json* tie = FieldOf(*config, "tie_word_embeddings");
+  const Json* tie = FieldOf(config, "tie_word_embeddings");
   if (tie != nullptr && !tie->is_null()) {
     if (!tie->is_boolean()) {
       return FieldError(source, "tie_word_embeddings",
@@ -290,32 +288,31 @@ absl::StatusOr<HfHeadConfig> ParseHfConfig(absl::string_view json_text, absl::st
     out.tie_word_embeddings = tie->get<bool>();
   }
 
-  absl::StatusOr<std::optional<float>> softcap =
-      OptionalNumber(*config, source, "final_logit_softcapping");
-  if (!softcap.ok()) return softcap.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::optional<float> softcap,
+                              OptionalNumber(config, source, "final_logit_softcapping"));
   // transformers divides by the cap whenever it is not None: 0 would give NaN logits there.
-  if (softcap->has_value() && !(**softcap > 0.0f)) {
+  if (softcap.has_value() && !(*softcap > 0.0f)) {
     return FieldError(source, "final_logit_softcapping",
-                      absl::StrCat(**softcap, " must be > 0 (or null for none)"));
+                      absl::StrCat(*softcap, " must be > 0 (or null for none)"));
   }
-  absl::StatusOr<std::optional<float>> scale = OptionalNumber(*config, source, "logit_scale");
-  if (!scale.ok()) return scale.status();
-  absl::StatusOr<std::optional<float>> scaling = OptionalNumber(*config, source, "logits_scaling");
-  if (!scaling.ok()) return scaling.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::optional<float> scale,
+                              OptionalNumber(config, source, "logit_scale"));
+  LOGITSERVE_ASSIGN_OR_RETURN(std::optional<float> scaling,
+                              OptionalNumber(config, source, "logits_scaling"));
   // A field missing from config.json takes the default of the model's config class in
   // transformers, as from_pretrained would; for the model types whose default is not "none".
   // (save_pretrained writes every field, so this matters only for hand-written configs.)
-  const Json* model_type = FieldOf(*config, "model_type");
+  const Json* model_type = FieldOf(config, "model_type");
   const std::string type =
       model_type != nullptr && model_type->is_string() ? model_type->get<std::string>() : "";
-  const bool softcap_absent = FieldOf(*config, "final_logit_softcapping") == nullptr;
-  const bool scale_absent = FieldOf(*config, "logit_scale") == nullptr;
-  if (type == "gemma2" && softcap_absent) *softcap = 30.0f;                       // Gemma2Config
-  if ((type == "cohere" || type == "cohere2") && scale_absent) *scale = 0.0625f;  // CohereConfig
+  const bool softcap_absent = FieldOf(config, "final_logit_softcapping") == nullptr;
+  const bool scale_absent = FieldOf(config, "logit_scale") == nullptr;
+  if (type == "gemma2" && softcap_absent) softcap = 30.0f;                       // Gemma2Config
+  if ((type == "cohere" || type == "cohere2") && scale_absent) scale = 0.0625f;  // CohereConfig
   // Python float scalars act on fp32 logits in fp32 in torch, so the fp32 values are HF's.
-  out.transform.softcap = softcap->value_or(0.0f);
-  out.transform.logit_scale = scale->value_or(1.0f);
-  out.transform.logits_scaling = scaling->value_or(1.0f);
+  out.transform.softcap = softcap.value_or(0.0f);
+  out.transform.logit_scale = scale.value_or(1.0f);
+  out.transform.logits_scaling = scaling.value_or(1.0f);
   if (absl::Status s = ValidateHeadTransform(out.transform); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": ", s.message()));
   }
@@ -324,7 +321,7 @@ absl::StatusOr<HfHeadConfig> ParseHfConfig(absl::string_view json_text, absl::st
 
 absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHfHead(absl::string_view name,
                                                         const std::string& dir) {
-  if (absl::Status s = ValidateHeadName(name); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(ValidateHeadName(name));
   const auto start = std::chrono::steady_clock::now();
   const auto with_name = [name](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat("head \"", name, "\": ", s.message()));

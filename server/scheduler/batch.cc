@@ -65,8 +65,7 @@ ScoreJob MergeJobs(const std::vector<const ScoreJob*>& parts, MergedInputs* stor
   merged.target_ids.clear();
   for (const ScoreJob* p : parts) {
     merged.rows += p->rows;
-    merged.target_ids.insert(merged.target_ids.end(), p->target_ids.begin(),
-                             p->target_ids.end());
+    merged.target_ids.insert(merged.target_ids.end(), p->target_ids.begin(), p->target_ids.end());
   }
   // A distribution has either hidden states or logits; the other view stays empty.
   const DistributionInput& m = parts.front()->model;

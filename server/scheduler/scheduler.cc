@@ -20,9 +20,9 @@ int64_t InputBytes(const DistributionInput& d) { return ViewBytes(d.hidden) + Vi
 }  // namespace
 
 int64_t Scheduler::EstimateItemBytes(const ScoreJob& job) {
-  const int64_t per_row_outputs =
-      job.ids_per_row + 2 * job.top_k + (job.entropy ? 1 : 0) + (job.reference_entropy ? 1 : 0) +
-      (job.forward_kl ? 1 : 0) + (job.reverse_kl ? 1 : 0) + (job.jsd_beta.has_value() ? 1 : 0);
+  const int64_t per_row_outputs = job.ids_per_row + 2 * job.top_k + (job.entropy ? 1 : 0) +
+                                  (job.reference_entropy ? 1 : 0) + (job.forward_kl ? 1 : 0) +
+                                  (job.reverse_kl ? 1 : 0) + (job.jsd_beta.has_value() ? 1 : 0);
   // Outputs are held twice (result vectors, then the response message); ids once more as int32.
   return InputBytes(job.model) + InputBytes(job.reference) +
          static_cast<int64_t>(job.target_ids.size() * sizeof(int32_t)) +
@@ -50,8 +50,8 @@ absl::Status Scheduler::Submit(Item item) {
   {
     absl::MutexLock lock(&mu_);
     if (fatal_) {
-      return absl::UnavailableError(
-          absl::StrCat("the backend failed and the server is restarting: ", fatal_status_.message()));
+      return absl::UnavailableError(absl::StrCat(
+          "the backend failed and the server is restarting: ", fatal_status_.message()));
     }
     if (stopping_) return absl::UnavailableError("server is shutting down");
     if (options_.memory_budget_bytes > 0 && q->bytes > options_.memory_budget_bytes) {
@@ -65,9 +65,9 @@ absl::Status Scheduler::Submit(Item item) {
     }
     if (options_.memory_budget_bytes > 0 &&
         bytes_in_flight_ + q->bytes > options_.memory_budget_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "server memory budget is full (", bytes_in_flight_, " of ",
-          options_.memory_budget_bytes, " bytes in flight); retry later"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("server memory budget is full (", bytes_in_flight_, " of ",
+                       options_.memory_budget_bytes, " bytes in flight); retry later"));
     }
     bytes_in_flight_ += q->bytes;
     ++items_in_flight_;
@@ -214,8 +214,8 @@ void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch) {
   std::vector<absl::Status> status(members.size());
   std::vector<ScoreResult> results(members.size());
   Compute(members, &status, &results);
-  const bool failed = std::any_of(status.begin(), status.end(),
-                                  [](const absl::Status& s) { return !s.ok(); });
+  const bool failed =
+      std::any_of(status.begin(), status.end(), [](const absl::Status& s) { return !s.ok(); });
   if (failed && BackendFailed()) {
     for (absl::Status& s : status) {
       if (!s.ok() && !absl::IsInvalidArgument(s)) {

@@ -1,12 +1,11 @@
 #include "server/service/auth.h"
 
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/read_file.h"
 #include "grpcpp/security/server_credentials.h"
 #include "openssl/bio.h"
 #include "openssl/err.h"
@@ -22,12 +21,11 @@ namespace {
 // Reads the token in `path` for `flag`; "" for an empty path.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_view flag) {
   if (path.empty()) return std::string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  const std::string token(absl::StripAsciiWhitespace(contents.str()));
+  absl::StatusOr<std::string> contents = ReadFileToString(path);
+  if (!contents.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  }
+  const std::string token(absl::StripAsciiWhitespace(*contents));
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds no token"));
   }
@@ -46,12 +44,11 @@ constexpr absl::string_view kMetadataKey = "authorization";
 
 // The whole of `path` for `flag`.
 absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  return contents.str();
+  absl::StatusOr<std::string> contents = ReadFileToString(path);
+  if (!contents.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  }
+  return contents;
 }
 
 struct BioDeleter {

@@ -48,6 +48,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/status_macros.h"
 #include "common/wire/dtype.h"
 #include "server/heads/head_loader.h"
 #include "server/service/auth.h"
@@ -118,7 +119,7 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadRequest
         return absl::InvalidArgumentError(
             "spec: required on the first LoadHeadRequest (name, sizes, dtype of the upload)");
       }
-      if (absl::Status s = Start(chunk.spec()); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(Start(chunk.spec()));
       started_ = true;
     } else if (chunk.has_spec()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -203,7 +204,7 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadRequest
           kMaxExplicitVersion, " = 2^63 - 1, so that current + 1 never wraps)"));
     }
     if (spec.version() != 0) {
-      if (absl::Status s = CheckExplicitVersion(spec.name(), spec.version()); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(CheckExplicitVersion(spec.name(), spec.version()));
     }
 
     head_ = std::make_shared<HeadWeights>();
@@ -327,7 +328,7 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadRequest
     // Under install_mu nobody else installs, so Add cannot meet the name and Replace cannot
     // meet a newer version; their errors are still passed on rather than assumed away.
     if (current == nullptr) {
-      if (absl::Status s = heads_->Add(*prepared); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(heads_->Add(*prepared));
     } else {
       absl::StatusOr<std::shared_ptr<const PreparedHead>> old = heads_->Replace(*prepared);
       if (!old.ok()) return old.status();

@@ -142,8 +142,9 @@ class Metrics {
   std::vector<GaugeSource> sources_ ABSL_GUARDED_BY(sources_mu_);
 };
 
-// The canonical name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...; "CODE_<n>" otherwise).
-absl::string_view GrpcCodeName(grpc::StatusCode code);
+// The canonical name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a value
+// outside google.rpc.Code), from absl::StatusCodeToString: the one table of code names.
+std::string GrpcCodeName(grpc::StatusCode code);
 
 // Serves GET /metrics (Content-Type text/plain; version=0.0.4) from `metrics`, and the probes
 // GET /healthz (200 "ok" unless the device failed: 503) and /readyz (200 "ok" only while serving,

@@ -88,7 +88,8 @@ v1::ScoreRequest BytesRequest(const Inputs& in, int64_t rows) {
 v1::ScoreRequest ShmRequest(const std::string& region, int64_t rows) {
   v1::ScoreRequest req;
   req.set_head(kHead.name);
-  *req.mutable_hidden() = SharedMemoryTensor(region, 0, v1::DATA_TYPE_BFLOAT16, {rows, kHead.hidden});
+  *req.mutable_hidden() =
+      SharedMemoryTensor(region, 0, v1::DATA_TYPE_BFLOAT16, {rows, kHead.hidden});
   *req.mutable_target_ids() =
       SharedMemoryTensor(region, rows * kHead.hidden * 2, v1::DATA_TYPE_INT32, {rows});
   req.set_entropy(true);

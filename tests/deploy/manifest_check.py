@@ -7,7 +7,7 @@ list of problems (empty = fine). What it checks, so that the manifests cannot si
   - the Deployment's selector matches its pod labels; the container asks for an nvidia.com/gpu
     limit, has cpu and memory requests and a memory limit;
   - startup/liveness/readiness probes are native gRPC probes on the container's gRPC port; the
-    readiness probe asks about the service name the server registers (server/service/main.cc);
+    readiness probe asks about the service name the server registers (server/server.cc);
   - /dev/shm is a mounted memory-backed emptyDir;
   - terminationGracePeriodSeconds >= preStop sleep + the server's drain flag value
     (--drain-timeout, alias --drain-seconds; read from the args, `$(VAR)` resolved from the
@@ -28,7 +28,7 @@ import re
 import yaml
 
 # Where the server declares its flags (CLI11 add_option("--name", ...)).
-SERVER_SOURCES = "server/service/*.cc"
+SERVER_SOURCES = ("server/*.cc", "server/service/*.cc")  # main.cc declares the flags
 GRPC_PORT_NAME = "grpc"
 DRAIN_FLAGS = ("--drain-timeout", "--drain-seconds")
 
@@ -50,7 +50,7 @@ def objects(bundle, kind):
 def server_flags(repo):
     """Every long flag the server declares (`"--name"` string literals in its sources)."""
     flags = set()
-    for path in glob.glob(os.path.join(repo, SERVER_SOURCES)):
+    for path in [p for pattern in SERVER_SOURCES for p in glob.glob(os.path.join(repo, pattern))]:
         # CLI11 names: "--name", or aliases "-n,--name,--other".
         for names in re.findall(r'add_(?:option|flag)\(\s*"([^"]+)"', open(path).read()):
             flags |= {n.strip() for n in names.split(",") if n.strip().startswith("--")}
@@ -58,7 +58,7 @@ def server_flags(repo):
 
 
 def server_service_name(repo):
-    text = open(os.path.join(repo, "server/service/main.cc")).read()
+    text = open(os.path.join(repo, "server/server.cc")).read()
     m = re.search(r'kServiceName\s*=\s*"([^"]+)"', text)
     return m.group(1) if m else None
 

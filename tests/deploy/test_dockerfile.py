@@ -108,5 +108,5 @@ def test_dockerignore_semantics():
     assert ignore.ignored("tests/deploy/__pycache__/a.pyc")
     assert ignore.ignored("a.pyc")
     assert ignore.ignored(".git/HEAD")
-    assert not ignore.ignored("server/service/main.cc")
+    assert not ignore.ignored("server/main.cc")
     assert not ignore.ignored(".gitignore.d")

@@ -47,8 +47,8 @@ TEST(Float16Test, ExactOnEveryFloat16Value) {
   for (uint32_t h = 0; h <= 0xffff; ++h) {
     const uint16_t bits = static_cast<uint16_t>(h);
     if ((bits & 0x7c00) == 0x7c00 && (bits & 0x3ff) != 0) {  // NaN stays a NaN
-      EXPECT_TRUE(
-          std::isnan(kernels::Float16ToFloat(kernels::FloatToFloat16(kernels::Float16ToFloat(bits)))));
+      EXPECT_TRUE(std::isnan(
+          kernels::Float16ToFloat(kernels::FloatToFloat16(kernels::Float16ToFloat(bits)))));
       continue;
     }
     ASSERT_EQ(kernels::FloatToFloat16(kernels::Float16ToFloat(bits)), bits) << std::hex << h;
@@ -69,7 +69,8 @@ TEST(Float16Test, RoundsToNearestEven) {
   EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -25)), 0x0000);  // tie -> even zero
   EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.5f, -25)), 0x0001);
   EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(3.0f, -25)), 0x0002);  // 1.5 ulp tie -> even 2
-  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -26)), 0x0400);  // to normal
+  EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -26)),
+            0x0400);  // to normal
   // The tie between the largest subnormal (0x03ff, odd) and the smallest normal: up, to even.
   EXPECT_EQ(kernels::FloatToFloat16(std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25)), 0x0400);
   EXPECT_EQ(kernels::FloatToFloat16(-std::ldexp(1.0f, -14)), 0x8400);  // smallest normal, negative

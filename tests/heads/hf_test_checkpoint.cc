@@ -25,8 +25,8 @@ std::vector<uint8_t> EncodeValues(SafetensorsDType dtype, const std::vector<floa
         break;
       case SafetensorsDType::kBFloat16:
       case SafetensorsDType::kFloat16: {
-        const uint16_t bits =
-            dtype == SafetensorsDType::kBFloat16 ? kernels::FloatToBFloat16(v) : kernels::FloatToFloat16(v);
+        const uint16_t bits = dtype == SafetensorsDType::kBFloat16 ? kernels::FloatToBFloat16(v)
+                                                                   : kernels::FloatToFloat16(v);
         std::memcpy(bytes, &bits, 2);
         n = 2;
         break;

@@ -186,6 +186,38 @@ TEST(Determinism, OutputsDoNotDependOnOtherRequestedOutputs) {
   }
 }
 
+// A job that asks for the model's outputs only (targets, top-k, entropy) gets the bits of a job
+// that asks for everything, at V = 32000 (several blocks per shard). Folded in from the CUDA
+// backend's own suite (it ran on every visible GPU; here the two-shard layout: two GPUs through
+// NCCL when visible, else two shards on GPU 0).
+TEST(Determinism, ModelOutputsDoNotDependOnReferenceOutputs) {
+  constexpr int64_t kN = 9, kVocab = 32000;
+  std::mt19937_64 rng(31);
+  const LogitsPair in = MakeLogitsPair(rng, FloatType::kBFloat16, kN, kVocab, 3.0);
+  const std::vector<int32_t> ids = RandomTargets(rng, kN, 2, kVocab, -100, 0.2);
+  std::unique_ptr<Backend> b = MustCreate(TestBackend("2shards", 2));
+  ASSERT_NE(b, nullptr);
+  OwnedJob all;
+  all.SetModelLogits(in.model).SetReferenceLogits(in.reference).WithEverything(ids, 2, 3, 0.3f);
+  LOGITSERVE_ASSERT_SCORE(everything, *b, all.job);
+  OwnedJob model_only;
+  model_only.SetModelLogits(in.model).WithTargets(ids, 2).WithTopK(3).WithEntropy();
+  LOGITSERVE_ASSERT_SCORE(part, *b, model_only.job);
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+        ADD_FAILURE() << what << " row " << i << ": " << a[i] << " vs " << b[i];
+        return;
+      }
+    }
+  };
+  same_bits(part.target_logprobs, everything.target_logprobs, "target_logprobs");
+  same_bits(part.top_k_logprobs, everything.top_k_logprobs, "top_k_logprobs");
+  EXPECT_EQ(part.top_k_ids, everything.top_k_ids);
+  same_bits(part.entropy, everything.entropy, "entropy");
+}
+
 // Concurrent calls on one backend give the bits of a lone call.
 TEST(Determinism, ConcurrentCallsGiveSameBits) {
   const int64_t n = 33, v = 4097;

@@ -15,9 +15,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/reference/job_reference.h"
 #include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
+#include "tests/reference/job_reference.h"
 
 namespace logitserve::testing {
 namespace {
@@ -502,8 +502,7 @@ TEST_P(EdgeCases, IgnoreIndexInsideTheVocabulary) {
 // or shard holds them; masked tokens rank after every unmasked one, in id order too. The expected
 // ids follow from the rule alone (the harness checks the values and the reference's ids as well).
 TEST(EdgeCasesTopK, TiesGoToTheSmallerIdOnEveryShardLayout) {
-  const std::vector<BackendFactory> layouts = {TestBackend("1shard", 1),
-                                               TestBackend("3shards", 3),
+  const std::vector<BackendFactory> layouts = {TestBackend("1shard", 1), TestBackend("3shards", 3),
                                                TestBackend("empty_1_0_2", 3, {1, 0, 2})};
   // Rows over V = 5000 (three blocks): 0 constant; 1 zeros with five 2.0s spread over every
   // block; 2 only three unmasked tokens (fewer than k), two of them tied.

@@ -82,7 +82,6 @@ class Reporter {
   return r;
 }
 
-
 template <typename T>
 void ExpectSameBits(const std::string& output, const std::vector<T>& a, size_t a0,
                     const std::vector<T>& b, size_t b0, size_t n) {
@@ -376,8 +375,8 @@ void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got) {
 }
 
 void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64_t> lengths,
-                                      const ScoreResult& got,
-                                      std::span<const int64_t> token_count, bool means) {
+                                      const ScoreResult& got, std::span<const int64_t> token_count,
+                                      bool means) {
   const size_t s_count = lengths.size();
   const size_t k = static_cast<size_t>(std::max(job.ids_per_row, 0));
   const auto expect_size = [&](const char* name, size_t got_size, bool requested, size_t width) {

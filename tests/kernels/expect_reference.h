@@ -91,8 +91,8 @@ void ExpectMatchesReference(const ScoreJob& job, const ScoreResult& got);
 // values are the per-sequence means (sum / token_count, NaN when no row counts): the same
 // tolerance divided by the count, plus one more fp32 rounding.
 void ExpectSequenceSumsMatchReference(const ScoreJob& job, std::span<const int64_t> lengths,
-                                      const ScoreResult& sums,
-                                      std::span<const int64_t> token_count, bool means = false);
+                                      const ScoreResult& sums, std::span<const int64_t> token_count,
+                                      bool means = false);
 
 // `x` with its bit pattern, e.g. "0.5 (0x3f000000)", for failure messages.
 std::string Bits(float x);

@@ -1,6 +1,5 @@
 // The fp64 reference against closed forms, and the test-support encoders it relies on.
 #include "kernels/reference/reference.h"
-#include "tests/reference/job_reference.h"
 
 #include <cmath>
 #include <cstring>
@@ -9,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/kernels/job_builder.h"
+#include "tests/reference/job_reference.h"
 
 namespace logitserve {
 namespace {

@@ -4,8 +4,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/kernels/expect_reference.h"
 #include "tests/kernels/cpu_factories.h"
+#include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
 
 namespace logitserve {
@@ -18,8 +18,8 @@ using testing::Share;
 
 OwnedJob LogitsJob(std::mt19937_64& rng, int64_t rows, int64_t vocab) {
   OwnedJob j;
-  j.SetModelLogits(Share(Encode(FloatType::kBFloat16, rows, vocab,
-                                testing::RandomNormal(rng, rows * vocab, 3.0))));
+  j.SetModelLogits(Share(
+      Encode(FloatType::kBFloat16, rows, vocab, testing::RandomNormal(rng, rows * vocab, 3.0))));
   j.WithTargets(testing::RandomTargets(rng, rows, 2, vocab, -100, 0.2), 2).WithTopK(3);
   j.WithEntropy();
   return j;

@@ -13,8 +13,8 @@
 #include "gtest/gtest.h"
 #include "server/backend/fault_injection.h"
 #include "server/backend/forwarding_backend.h"
-#include "tests/kernels/expect_reference.h"
 #include "tests/kernels/cpu_factories.h"
+#include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
 
 namespace logitserve {
@@ -115,10 +115,10 @@ struct HiddenJobs {
 
 HiddenJobs MakeHeads(Backend& backend, std::mt19937_64& rng) {
   HiddenJobs heads;
-  auto p = backend.PrepareHead(
-      testing::RandomHead(rng, 3000, 32, FloatType::kBFloat16, 0.3, true, {}));
-  auto r = backend.PrepareHead(
-      testing::RandomHead(rng, 3000, 32, FloatType::kBFloat16, 0.3, false, {}));
+  auto p =
+      backend.PrepareHead(testing::RandomHead(rng, 3000, 32, FloatType::kBFloat16, 0.3, true, {}));
+  auto r =
+      backend.PrepareHead(testing::RandomHead(rng, 3000, 32, FloatType::kBFloat16, 0.3, false, {}));
   EXPECT_TRUE(p.ok() && r.ok());
   heads.policy = *p;
   heads.reference = *r;

@@ -2,6 +2,9 @@
 // valid Score requests checked output by output against the fp64 reference, every invalid input
 // (status code, message naming the field, and the server still serving afterwards), the size
 // limits and the bounded queue.
+//
+// Long file: the invalid-request table (one case per validation rule) and the output checks share
+// one server fixture and its request builders.
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>

@@ -5,6 +5,8 @@
 // Memory bounds are stated per test as named constants: each is far below what the unbounded
 // behaviour produced (the numbers) and far above the bounded one, so neither allocator
 // noise nor a slow machine decides the result.
+//
+// Long file: the /proc memory probes and hostile-client helpers are shared by every case.
 #include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>

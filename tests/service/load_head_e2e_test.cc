@@ -5,6 +5,9 @@
 // failing with a status naming the field while the old head keeps serving bit-identical results;
 // bearer-token roles; and a hot swap under load in which every response must match the fp64
 // reference of exactly the version it reports.
+//
+// Long file: one server fixture and its upload helpers serve every LoadHead case; split, each
+// part would repeat them.
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 

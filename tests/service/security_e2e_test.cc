@@ -4,6 +4,9 @@
 // connection limits, and the start-up errors of those flags. Clients are the C++ client library
 // (its TLS and token options are what is under test there) and raw stubs where the test needs
 // exact control of the metadata or of the number of calls.
+//
+// Long file: the certificate fixture (openssl at run time) is shared by every case here; split,
+// each part would regenerate it.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>

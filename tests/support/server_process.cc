@@ -141,7 +141,7 @@ std::string ServerProcess::DefaultBinary() {
   if (const char* env = std::getenv("LOGITSERVE_SERVER_BINARY"); env != nullptr && *env != 0) {
     return env;
   }
-  return std::string(LOGITSERVE_BINARY_DIR) + "/server/service/logitserve";
+  return std::string(LOGITSERVE_BINARY_DIR) + "/server/logitserve";
 }
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(

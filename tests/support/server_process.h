@@ -29,7 +29,7 @@ namespace logitserve::testing {
 class ServerProcess {
  public:
   // The logitserve binary of this build tree: $LOGITSERVE_SERVER_BINARY when set, else
-  // LOGITSERVE_BINARY_DIR/server/service/logitserve.
+  // LOGITSERVE_BINARY_DIR/server/logitserve.
   static std::string DefaultBinary();
 
   // Starts `binary` (DefaultBinary() when empty) with --listen 127.0.0.1:0 (unless `args` hold

@@ -5,7 +5,7 @@
 // them alone and calls grpc.health.v1.Health/Check and logitserve.v1.Scorer/ListHeads through it.
 // No logitserve .proto file is read: what a user of grpcurl, Postman or grpc-js meets.
 //
-//   node reflection_client.js --server-binary build/server/service/logitserve
+//   node reflection_client.js --server-binary build/server/logitserve
 // Exit status: 0 pass, 1 a check failed, 77 the npm tools are not installed (ctest: skipped).
 "use strict";
 const { spawn } = require("child_process");

@@ -11,6 +11,8 @@
 //
 // Nothing of size [N, V] is ever allocated: per rank the largest buffers are one row tile of
 // logits (hidden mode with JSD) and the per-block records.
+#include "server/backend/cpu/cpu_backend.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -22,9 +24,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/status_macros.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
-#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
 #include "server/backend/cpu/cpu_tile_gemm.h"
@@ -63,8 +65,8 @@ int64_t BlockWidth(int64_t vocab, int64_t block) {
 
 // What one rank sends per row tile. Fixed size on every rank (padded to the widest shard).
 struct TileMessageLayout {
-  int64_t rows;          // kRowTile
-  int64_t max_blocks;    // widest shard, in blocks
+  int64_t rows;        // kRowTile
+  int64_t max_blocks;  // widest shard, in blocks
   int64_t top_k;
   int64_t ids_per_row;
   size_t failed_offset, stats_offset, topk_offset, count_offset, target_offset, bytes;
@@ -72,8 +74,8 @@ struct TileMessageLayout {
   TileMessageLayout(int64_t max_blocks_in, int64_t top_k_in, int64_t ids_in)
       : rows(kRowTile), max_blocks(max_blocks_in), top_k(top_k_in), ids_per_row(ids_in) {
     failed_offset = 0;  // int32: this rank failed the tile (so every rank stops together)
-    stats_offset = alignof(k::PairBlockStats) > sizeof(int32_t) ? alignof(k::PairBlockStats)
-                                                                 : sizeof(int32_t);
+    stats_offset =
+        alignof(k::PairBlockStats) > sizeof(int32_t) ? alignof(k::PairBlockStats) : sizeof(int32_t);
     topk_offset = stats_offset + sizeof(k::PairBlockStats) * rows * max_blocks;
     count_offset = topk_offset + sizeof(k::TopKEntry) * rows * top_k;
     target_offset = count_offset + sizeof(int32_t) * rows;
@@ -124,13 +126,12 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CpuBackend::PrepareHead(
     return absl::InvalidArgumentError(absl::StrCat("head '", w.name, "': weight bytes mismatch"));
   }
   auto head = std::make_shared<CpuHead>(weights);
-  auto full = TileGemm::Create(hidden, k::kVocabBlock, k::kVocabBlock);
-  if (!full.ok()) return full.status();
-  head->full_gemm = *std::move(full);
+  LOGITSERVE_ASSIGN_OR_RETURN(auto full, TileGemm::Create(hidden, k::kVocabBlock, k::kVocabBlock));
+  head->full_gemm = std::move(full);
   if (vocab % k::kVocabBlock != 0) {
-    auto last = TileGemm::Create(hidden, vocab % k::kVocabBlock, k::kVocabBlock);
-    if (!last.ok()) return last.status();
-    head->last_gemm = *std::move(last);
+    LOGITSERVE_ASSIGN_OR_RETURN(auto last,
+                                TileGemm::Create(hidden, vocab % k::kVocabBlock, k::kVocabBlock));
+    head->last_gemm = std::move(last);
   }
   const int64_t nb = k::NumBlocks(vocab);
   head->packed_blocks.resize(static_cast<size_t>(nb));
@@ -179,7 +180,8 @@ class RankWorker {
  private:
   static int64_t MaxBlocks(const std::vector<ShardRange>& layout) {
     int64_t m = 0;
-    for (const auto& s : layout) m = std::max(m, (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock);
+    for (const auto& s : layout)
+      m = std::max(m, (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock);
     return m;
   }
 
@@ -210,9 +212,9 @@ class RankWorker {
   const TileMessageLayout msg_;
 
   std::vector<uint8_t> send_, recv_;
-  std::vector<float> hidden_model_, hidden_ref_;      // [kRowTile, H] fp32 row tiles
-  std::vector<float> keep_model_, keep_ref_;          // hidden mode + JSD: tile logits [rows, V_shard]
-  std::vector<k::RowStats> model_rows_, ref_rows_;    // folded per row of the tile
+  std::vector<float> hidden_model_, hidden_ref_;  // [kRowTile, H] fp32 row tiles
+  std::vector<float> keep_model_, keep_ref_;      // hidden mode + JSD: tile logits [rows, V_shard]
+  std::vector<k::RowStats> model_rows_, ref_rows_;  // folded per row of the tile
   std::vector<k::PairRowStats> pair_rows_;
 };
 
@@ -229,7 +231,8 @@ void RankWorker::ConvertHiddenTile(const DistributionInput& in, int64_t row0, in
 
 absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* hidden_tile,
                                      int64_t row0, int64_t rows, int64_t block, float* scratch,
-                                     void* gemm_scratch, std::vector<const float*>* row_ptrs) const {
+                                     void* gemm_scratch,
+                                     std::vector<const float*>* row_ptrs) const {
   const int64_t vocab = job_.vocab;
   const int64_t col0 = block * k::kVocabBlock;
   const int64_t n = BlockWidth(vocab, block);
@@ -251,8 +254,8 @@ absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* h
   }
   const auto& head = static_cast<const CpuHead&>(*in.head);
   const auto& gemm = head.GemmFor(block);
-  if (auto s = gemm.Run(hidden_tile, head.packed_blocks[static_cast<size_t>(block)].data(),
-                        scratch, gemm_scratch);
+  if (auto s = gemm.Run(hidden_tile, head.packed_blocks[static_cast<size_t>(block)].data(), scratch,
+                        gemm_scratch);
       !s.ok()) {
     return s;
   }
@@ -286,12 +289,14 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   }
 
   if (job_.model.hidden_mode()) ConvertHiddenTile(job_.model, row0, rows, &hidden_model_);
-  if (with_ref_ && job_.reference.hidden_mode()) ConvertHiddenTile(job_.reference, row0, rows, &hidden_ref_);
+  if (with_ref_ && job_.reference.hidden_mode())
+    ConvertHiddenTile(job_.reference, row0, rows, &hidden_ref_);
 
   const int64_t k_top = job_.top_k;
   const int64_t shard_width = shard_.end - shard_.begin;
   // Per-block top-k lists, merged per row after the parallel loop.
-  std::vector<k::TopKEntry> block_topk(static_cast<size_t>(k_top > 0 ? rows * num_blocks_ * k_top : 0));
+  std::vector<k::TopKEntry> block_topk(
+      static_cast<size_t>(k_top > 0 ? rows * num_blocks_ * k_top : 0));
   std::vector<int> block_counts(static_cast<size_t>(k_top > 0 ? rows * num_blocks_ : 0), 0);
 
   std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
@@ -310,7 +315,8 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
                      std::vector<float>& scratch, std::vector<const float*>& ptrs) {
         if (in.hidden_mode()) {
           const auto& head = static_cast<const CpuHead&>(*in.head);
-          gemm_scratch.resize(std::max(gemm_scratch.size(), head.GemmFor(block).scratchpad_bytes()));
+          gemm_scratch.resize(
+              std::max(gemm_scratch.size(), head.GemmFor(block).scratchpad_bytes()));
         }
         return BlockLogits(in, htile.data(), row0, rows, block, scratch.data(), gemm_scratch.data(),
                            &ptrs);
@@ -335,11 +341,13 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
                           block_topk.data() + off * k_top, &block_counts[off]);
         }
         for (int64_t j = 0; j < job_.ids_per_row; ++j) {
-          const int32_t id = job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
+          const int32_t id =
+              job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
           if (id >= col0 && id < col0 + n) targets[r * job_.ids_per_row + j] = a[id - col0];
         }
         if (keep_logits_) {
-          std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a, n * sizeof(float));
+          std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a,
+                      n * sizeof(float));
           std::memcpy(keep_ref_.data() + r * shard_width + (col0 - shard_.begin),
                       zr[static_cast<size_t>(r)], n * sizeof(float));
         }
@@ -399,11 +407,11 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
       culprit = &job_.reference;
     }
     if (culprit != nullptr) {
-      const std::string what = culprit->hidden_mode()
-                                   ? absl::StrCat("logits computed from ", culprit->field, " row ",
-                                                  row0 + r, " with head '",
-                                                  culprit->head->weights().name, "'")
-                                   : absl::StrCat(culprit->field, " row ", row0 + r);
+      const std::string what =
+          culprit->hidden_mode()
+              ? absl::StrCat("logits computed from ", culprit->field, " row ", row0 + r,
+                             " with head '", culprit->head->weights().name, "'")
+              : absl::StrCat(culprit->field, " row ", row0 + r);
       return absl::InvalidArgumentError(absl::StrCat(what, " contain NaN or +inf"));
     }
   }
@@ -421,14 +429,16 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
         continue;
       }
       const int o = owner[static_cast<size_t>(id / k::kVocabBlock)];
-      const float z = reinterpret_cast<const float*>(record(o) + msg_.target_offset)[r * job_.ids_per_row + j];
+      const float z =
+          reinterpret_cast<const float*>(record(o) + msg_.target_offset)[r * job_.ids_per_row + j];
       out.target_logprobs[idx] = k::LogProb(z, m);
     }
     if (job_.top_k > 0) {
       std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
       int count = 0;
       for (int o = 0; o < ctx_.comm->size(); ++o) {
-        const auto* l = reinterpret_cast<const k::TopKEntry*>(record(o) + msg_.topk_offset) + r * job_.top_k;
+        const auto* l =
+            reinterpret_cast<const k::TopKEntry*>(record(o) + msg_.topk_offset) + r * job_.top_k;
         const int c = reinterpret_cast<const int32_t*>(record(o) + msg_.count_offset)[r];
         k::TopKMerge(l, c, job_.top_k, list.data(), &count);
       }
@@ -439,7 +449,9 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
       }
     }
     if (job_.entropy) out.entropy[static_cast<size_t>(row)] = k::Entropy(m);
-    if (job_.reference_entropy) out.reference_entropy[static_cast<size_t>(row)] = k::Entropy(ref_rows_[static_cast<size_t>(r)]);
+    if (job_.reference_entropy)
+      out.reference_entropy[static_cast<size_t>(row)] =
+          k::Entropy(ref_rows_[static_cast<size_t>(r)]);
     // Model = a, reference = b: forward KL(ref || model) = KL(b || a).
     if (job_.forward_kl || (job_.jsd_beta && *job_.jsd_beta == 0.0f)) {
       const float f = k::KlBA(pair_rows_[static_cast<size_t>(r)]);
@@ -478,8 +490,11 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
           zr[static_cast<size_t>(r)] = keep_ref_.data() + r * shard_width + (col0 - shard_.begin);
         }
       } else {
-        absl::Status s = BlockLogits(job_.model, nullptr, row0, rows, block, scratch_m.data(), nullptr, &zm);
-        if (s.ok()) s = BlockLogits(job_.reference, nullptr, row0, rows, block, scratch_r.data(), nullptr, &zr);
+        absl::Status s =
+            BlockLogits(job_.model, nullptr, row0, rows, block, scratch_m.data(), nullptr, &zm);
+        if (s.ok())
+          s = BlockLogits(job_.reference, nullptr, row0, rows, block, scratch_r.data(), nullptr,
+                          &zr);
         if (!s.ok()) {
           status[static_cast<size_t>(lb)] = s;
           continue;
@@ -502,7 +517,7 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   partial.back() = local.ok() ? 0.0f : 1.0f;  // failure word, as in the tile exchange
   const size_t bytes = partial.size() * sizeof(float);
   std::vector<float> all(partial.size() * static_cast<size_t>(ctx_.comm->size()));
-  if (auto s = ctx_.comm->AllGather(partial.data(), all.data(), bytes); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(ctx_.comm->AllGather(partial.data(), all.data(), bytes));
   if (!local.ok()) return local;
   for (int r = 0; r < ctx_.comm->size(); ++r) {
     if (all[static_cast<size_t>(r + 1) * partial.size() - 1] != 0.0f) return PeerFailed(r);
@@ -514,7 +529,8 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
     for (const auto& s : layout) {  // shards are contiguous and ordered: global block order
       const int64_t nb = (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock;
       for (int64_t lb = 0; lb < nb; ++lb) {
-        sum += all[static_cast<size_t>(s.shard) * partial.size() + static_cast<size_t>(r * msg_.max_blocks + lb)];
+        sum += all[static_cast<size_t>(s.shard) * partial.size() +
+                   static_cast<size_t>(r * msg_.max_blocks + lb)];
       }
     }
     const bool masked = k::AllMasked(model_rows_[static_cast<size_t>(r)]) ||
@@ -550,26 +566,25 @@ absl::Status RankWorker::Run() {
         return PeerFailed(r);
       }
     }
-    if (auto f = FoldTile(row0, rows); !f.ok()) return f;
+    LOGITSERVE_RETURN_IF_ERROR(FoldTile(row0, rows));
     if (jsd_pass_) {
-      if (auto j = JsdTile(row0, rows); !j.ok()) return j;
+      LOGITSERVE_RETURN_IF_ERROR(JsdTile(row0, rows));
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
-  if (absl::Status s = StartResult(job, result); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(StartResult(job, result));
   if (job.rows == 0) return absl::OkStatus();
 
   const std::vector<ShardRange> layout = ShardLayout(job.vocab);
   const int shards = static_cast<int>(layout.size());
-  auto comms = CreateInProcessCommunicators(shards);
-  if (!comms.ok()) return comms.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(auto comms, CreateInProcessCommunicators(shards));
   const int threads = std::max(1, options_.threads / shards);
   std::vector<absl::Status> status(static_cast<size_t>(shards));
   auto run_rank = [&](int r) {
-    RankContext ctx{&job, result, (*comms)[static_cast<size_t>(r)].get(), &layout, threads};
+    RankContext ctx{&job, result, comms[static_cast<size_t>(r)].get(), &layout, threads};
     status[static_cast<size_t>(r)] = RankWorker(ctx).Run();
   };
   std::vector<std::thread> others;

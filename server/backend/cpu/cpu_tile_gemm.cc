@@ -35,7 +35,8 @@ absl::StatusOr<std::unique_ptr<TileGemm>> TileGemm::Create(int64_t k, int64_t n,
     impl->prim = dnnl::matmul(impl->pd);
     return std::unique_ptr<TileGemm>(new TileGemm(std::move(impl)));
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("oneDNN matmul ", kRowTile, "x", k, "x", n, ": ", e.what()));
+    return absl::InternalError(
+        absl::StrCat("oneDNN matmul ", kRowTile, "x", k, "x", n, ": ", e.what()));
   }
 }
 

@@ -1,6 +1,8 @@
 // CudaBackend (see cuda_backend.h for the algorithm and its promises). This file holds the
 // orchestration: heads resident per device, one worker per rank per job, device workspaces, the
 // collectives. The math is in kernels/cuda (launchers in cuda_kernels.h) and block_stats.h.
+//
+// Long file: nine types of one pipeline; being split into one file per concept.
 #include "server/backend/cuda/cuda_backend.h"
 
 #include <cublasLt.h>
@@ -21,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/status_macros.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cuda_kernels.h"
 #include "server/backend/communicator.h"
@@ -425,7 +428,7 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
 
 absl::Status RankWorker::Prepare() {
   DeviceGuard guard(rank_.device);
-  if (auto s = guard.status(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
   const kc::TileMessage& m = plan_.msg;
   const size_t rows = static_cast<size_t>(plan_.tile_rows);
   const size_t n = static_cast<size_t>(job_.rows);
@@ -458,7 +461,7 @@ absl::Status RankWorker::Prepare() {
     SetUpDist(ref_, job_.reference, plan_.ref_zero_copy[static_cast<size_t>(rank_.index)], carver,
               dist_offsets);
   }
-  if (auto s = rank_.workspace.Reserve(rank_.device, carver.total()); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(rank_.workspace.Reserve(rank_.device, carver.total()));
   // Pinned tiles for pageable hidden states.
   {
     std::vector<std::pair<Dist*, size_t>> pinned;
@@ -473,7 +476,7 @@ absl::Status RankWorker::Prepare() {
     };
     want(model_, job_.model, plan_.model_pageable_hidden);
     if (plan_.pair) want(ref_, job_.reference, plan_.ref_pageable_hidden);
-    if (auto s = rank_.host_staging.Reserve(pinned_total); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(rank_.host_staging.Reserve(pinned_total));
     size_t at = 0;
     for (auto& [d, bytes] : pinned) {
       for (uint8_t*& p : d->pinned) {
@@ -524,7 +527,7 @@ absl::Status RankWorker::Prepare() {
     io_bytes += align(ids_count * sizeof(float)) + 2 * align(topk_count * sizeof(float)) +
                 5 * align(n * sizeof(float));
   }
-  if (auto s = rank_.host_io.Reserve(io_bytes); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_bytes));
   if (ids_count > 0) {
     std::memcpy(rank_.host_io.data(), job_.target_ids.data(), ids_count * sizeof(int32_t));
   }
@@ -643,11 +646,11 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     return CudaStatus(cudaEventRecord(e.get(), on), "cudaEventRecord", __FILE__, __LINE__);
   };
   if (split && plan_.jsd_pass && row0 > 0) {
-    if (auto s = wait(gemm_stream(), rank_.slots_released); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slots_released));
   }
-  if (auto s = BeginTile(model_, row0, rows); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows));
   if (plan_.pair) {
-    if (auto s = BeginTile(ref_, row0, rows); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows));
   }
   k::PairBlockStats* stats = StatsOf(send_, m);
   auto* lists = reinterpret_cast<k::TopKEntry*>(send_ + m.topk_offset);
@@ -659,7 +662,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     const size_t e = static_cast<size_t>(g % 2);
     const int64_t slot = plan_.jsd_pass ? c : g % 2;
     if (split && !plan_.jsd_pass && g >= 2) {
-      if (auto s = wait(gemm_stream(), rank_.slot_free[e]); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slot_free[e]));
     }
     absl::StatusOr<kc::LogitsSource> a = Source(model_, c, row0, /*compute=*/true, slot);
     if (!a.ok()) return a.status();
@@ -669,8 +672,8 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       if (!b.ok()) return b.status();
     }
     if (split) {
-      if (auto s = record(rank_.slot_filled[e], gemm_stream()); !s.ok()) return s;
-      if (auto s = wait(stream(), rank_.slot_filled[e]); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled[e], gemm_stream()));
+      LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
     }
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(
@@ -684,7 +687,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
         LOGITSERVE_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
       }
-      if (auto s = IssueUploads(); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
     }
     if (job_.ids_per_row > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
@@ -695,7 +698,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
           kc::LaunchTopKUpdate(*a, rows, job_.top_k, lists, counts, stream()));
     }
     if (split && !plan_.jsd_pass) {
-      if (auto s = record(rank_.slot_free[e], stream()); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_free[e], stream()));
     }
   }
   if (!cleared && job_.top_k > 0) {  // a shard without columns: empty lists
@@ -755,7 +758,7 @@ absl::Status RankWorker::WaitFor(cudaEvent_t event, const char* what) {
         if (q == cudaSuccess) return true;
         if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery", __FILE__, __LINE__);
         if (rank_.nccl != nullptr) {
-          if (absl::Status s = rank_.nccl->AsyncError(); !s.ok()) return s;
+          LOGITSERVE_RETURN_IF_ERROR(rank_.nccl->AsyncError());
         }
         return false;
       },
@@ -788,7 +791,7 @@ absl::Status RankWorker::InjectFault() {
 
 absl::Status RankWorker::Run() {
   DeviceGuard guard(rank_.device);
-  if (auto s = guard.status(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
   int64_t step = 0;
   absl::Status local = absl::OkStatus();  // the first failure since the previous checkpoint
   auto note = [&](absl::Status s) {
@@ -849,15 +852,15 @@ absl::Status RankWorker::Run() {
 
 absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {
   DeviceGuard guard(rank_.device);
-  if (auto s = guard.status(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
   if (copy) {
-    if (auto s = IssueUploads(); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
   }
   // Work still queued reads the request's memory and this rank's workspace: it must be done
   // before Score returns. The reporting rank's output copies go to pinned memory (asynchronous,
   // queued behind that work), so one wait after them covers both; every other rank waits here.
   if (!(copy && reports_)) {
-    if (absl::Status s = WaitIdle("job end"); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
   }
   if (copy && reports_) {
     // Asynchronous copies into the pinned staging (see Prepare), one wait, then host copies.
@@ -885,7 +888,7 @@ absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_b
     }
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + at, first_bad_, 2 * sizeof(int32_t),
                                                     cudaMemcpyDeviceToHost, stream()));
-    if (absl::Status s = WaitIdle("output copy"); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("output copy"));
     for (const auto& [dst, from] : back) std::memcpy(dst.first, io + from, dst.second);
     std::memcpy(first_bad, io + at, 2 * sizeof(int32_t));
   }
@@ -947,9 +950,9 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
   auto it = gemms_.find({device, k_pad});
   if (it != gemms_.end()) return it->second;
   DeviceGuard guard(device);
-  if (auto s = guard.status(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
   LtHandle lt;  // its own handle: the ranks' handles may be busy in a concurrent Score
-  if (auto s = lt.Create(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(lt.Create());
   absl::StatusOr<std::unique_ptr<CudaTileGemm>> g = CudaTileGemm::Create(lt.get(), k_pad);
   if (!g.ok()) return g.status();
   std::shared_ptr<const CudaTileGemm> shared = *std::move(g);
@@ -959,7 +962,7 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
 
 absl::StatusOr<std::shared_ptr<const PreparedHead>> CudaBackend::PrepareHead(
     std::shared_ptr<const HeadWeights> weights) {
-  if (absl::Status h = Health(); !h.ok()) return h;
+  LOGITSERVE_RETURN_IF_ERROR(Health());
   const HeadWeights& w = *weights;
   const int64_t vocab = w.vocab_size, hidden = w.hidden_size;
   if (vocab < 1 || hidden < 1) return absl::InvalidArgumentError("head has an empty shape");
@@ -984,7 +987,7 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CudaBackend::PrepareHead(
     const int64_t width = shard.end - shard.begin;
     if (width == 0) continue;
     DeviceGuard guard(rank.device);
-    if (auto s = guard.status(); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(guard.status());
     absl::StatusOr<std::shared_ptr<const CudaTileGemm>> gemm = GemmFor(rank.device, head->k_pad);
     if (!gemm.ok()) return gemm.status();
     shard.gemm = *std::move(gemm);
@@ -996,7 +999,7 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CudaBackend::PrepareHead(
       return s;
     }
     CudaStream stream;
-    if (auto s = stream.Create(rank.device); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(stream.Create(rank.device));
     DeviceBuffer piece;
     const int64_t piece_rows = std::min(width, kPieceRows);
     if (auto s = piece.Reserve(rank.device, static_cast<size_t>(piece_rows * hidden * es));
@@ -1128,12 +1131,12 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
 }
 
 absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
-  if (absl::Status h = Health(); !h.ok()) return h;
-  if (absl::Status s = StartResult(job, result); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(Health());
+  LOGITSERVE_RETURN_IF_ERROR(StartResult(job, result));
   if (job.rows == 0) return absl::OkStatus();
-  if (auto s = CheckHead(job.model); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(CheckHead(job.model));
   if (job.NeedsReference()) {
-    if (auto s = CheckHead(job.reference); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(CheckHead(job.reference));
   }
   absl::StatusOr<JobPlan> plan = Plan(job);
   if (!plan.ok()) return plan.status();
@@ -1270,7 +1273,7 @@ absl::Status CheckCudaDevices(const std::vector<int>& devices) {
           absl::StrCat("CUDA device ", d, " does not exist (", count, " visible)"));
     }
     DeviceGuard guard(d);
-    if (auto s = guard.status(); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(guard.status());
     cudaDeviceProp prop{};
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&prop, d));
     const cudaError_t image = kc::CheckKernelImage();
@@ -1287,7 +1290,7 @@ absl::Status CheckCudaDevices(const std::vector<int>& devices) {
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options) {
-  if (auto s = CheckCudaDevices(options.devices); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(CheckCudaDevices(options.devices));
   std::vector<int> devices = options.devices;
   if (devices.empty()) {
     int count = 0;
@@ -1333,28 +1336,28 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     rank->index = r;
     rank->device = devices[static_cast<size_t>(r) % devices.size()];
     DeviceGuard guard(rank->device);
-    if (auto s = guard.status(); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(guard.status());
     int least_priority = 0, greatest_priority = 0;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
     // The statistics stream first: its short kernels take SMs as GEMM blocks retire.
-    if (auto s = rank->stream.Create(rank->device, greatest_priority); !s.ok()) return s;
-    if (auto s = rank->gemm_stream.Create(rank->device); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, greatest_priority));
+    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream.Create(rank->device));
     for (auto* events : {&rank->slot_filled, &rank->slot_free}) {
       for (CudaEvent& e : *events) {
-        if (auto s = e.Create(rank->device); !s.ok()) return s;
+        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
       }
     }
-    if (auto s = rank->slots_released.Create(rank->device); !s.ok()) return s;
-    if (auto s = rank->gemm_idle.Create(rank->device); !s.ok()) return s;
-    if (auto s = rank->lt.Create(); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(rank->slots_released.Create(rank->device));
+    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle.Create(rank->device));
+    LOGITSERVE_RETURN_IF_ERROR(rank->lt.Create());
     if (auto s = rank->cublas_workspace.Reserve(rank->device, kCublasWorkspaceBytes); !s.ok()) {
       return s;
     }
     for (CudaEvent& e : rank->tile_done) {
-      if (auto s = e.Create(rank->device); !s.ok()) return s;
+      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
-    if (auto s = rank->idle.Create(rank->device); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());
     ranks.push_back(std::move(rank));

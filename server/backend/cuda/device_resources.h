@@ -17,8 +17,8 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "server/backend/host_barrier.h"
 #include "absl/synchronization/mutex.h"
+#include "server/backend/host_barrier.h"
 
 namespace logitserve {
 

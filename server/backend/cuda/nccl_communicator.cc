@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/status_macros.h"
 #include "server/backend/cuda/cuda_status.h"
 #include "server/backend/cuda/device_resources.h"
 
@@ -36,7 +37,7 @@ absl::Status NcclCommunicator::WaitReady(const char* what) const {
 absl::Status NcclCommunicator::AllGather(const void* send, void* recv, size_t bytes) {
   if (comm_ == nullptr) return absl::FailedPreconditionError("NCCL communicator was aborted");
   DeviceGuard guard(device_);
-  if (auto s = guard.status(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
   const ncclResult_t r = ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream_);
   // Non-blocking mode: nothing more may be queued on the stream before the gather is.
   if (r == ncclInProgress) return WaitReady("ncclAllGather");

@@ -29,7 +29,9 @@ namespace logitserve::kernels {
 // Vocabulary block width. Shards always begin at a multiple of it.
 inline constexpr int64_t kVocabBlock = 2048;
 
-inline constexpr int64_t NumBlocks(int64_t vocab) { return (vocab + kVocabBlock - 1) / kVocabBlock; }
+inline constexpr int64_t NumBlocks(int64_t vocab) {
+  return (vocab + kVocabBlock - 1) / kVocabBlock;
+}
 
 // Flags raised while reading a block.
 enum BlockFlag : uint32_t {
@@ -162,10 +164,10 @@ LOGITSERVE_HD void FoldPairBlock(PairRowStats& acc, const PairBlockStats& b) {
   const float bm_a = (b.a.s > 0.0f) ? b.a.m : new_ma;
   const float am_b = (acc.b.s > 0.0f) ? acc.b.m : new_mb;
   const float am_a = (acc.a.s > 0.0f) ? acc.a.m : new_ma;
-  acc.c_ab = detail::FoldCross(acc.c_ab, acc.a.s, am_a, am_b, b.c_ab, b.a.s, bm_a, bm_b, new_ma,
-                               new_mb);
-  acc.c_ba = detail::FoldCross(acc.c_ba, acc.b.s, am_b, am_a, b.c_ba, b.b.s, bm_b, bm_a, new_mb,
-                               new_ma);
+  acc.c_ab =
+      detail::FoldCross(acc.c_ab, acc.a.s, am_a, am_b, b.c_ab, b.a.s, bm_a, bm_b, new_ma, new_mb);
+  acc.c_ba =
+      detail::FoldCross(acc.c_ba, acc.b.s, am_b, am_a, b.c_ba, b.b.s, bm_b, bm_a, new_mb, new_ma);
   FoldBlock(acc.a, b.a);
   FoldBlock(acc.b, b.b);
 }
