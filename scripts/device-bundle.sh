@@ -47,7 +47,10 @@ cmake --build "$BUILD_DIR" -j"$JOBS" --target "${targets[@]}"
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/bench" "$BUNDLE/pack"
 for t in "${targets[@]}"; do
-  f=$(find "$BUILD_DIR" -type f -name "$t" -perm -u+x | head -1)
+  # The newest file of that name: a build folder may still hold one from an older layout (the
+  # server binary moved from server/service/ to server/).
+  f=$(find "$BUILD_DIR" -type f -name "$t" -perm -u+x -printf '%T@ %p\n' | sort -nr | head -1 |
+      cut -d' ' -f2-)
   [ -n "$f" ] || { echo "device-bundle: built $t but cannot find it" >&2; exit 1; }
   cp "$f" "$BUNDLE/bin/"
   strip --strip-unneeded "$BUNDLE/bin/$t"

@@ -13,10 +13,9 @@ namespace logitserve::kernels::cuda::detail {
 
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
-// Shifted logits are clamped here before exp: exp(-200) is 0 and 0 * -200 is 0, so masked tokens
-// (shift -inf, or an overflowed shift) drop out of every sum without a select and without 0 * inf.
-// Same constant and reasoning as the CPU kernels.
-inline constexpr float kClampShift = -200.0f;
+// Shifted logits are clamped before exp (block_stats.h says why); the one constant of the CPU
+// kernels, the fold and these kernels.
+using ::logitserve::kernels::kClampShift;
 inline constexpr float kLog2e = 1.44269504088896341f;
 
 __device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }

@@ -30,6 +30,7 @@
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
 #include "server/backend/cpu/cpu_tile_gemm.h"
+#include "server/backend/job_failure.h"
 #include "server/backend/shard_layout.h"
 
 namespace logitserve {
@@ -52,12 +53,6 @@ class CpuHead final : public PreparedHead {
     return (block == nb - 1 && last_gemm) ? *last_gemm : *full_gemm;
   }
 };
-
-// What a rank reports when another rank failed: ABORTED, so that Score returns the failing
-// rank's own status rather than this one.
-absl::Status PeerFailed(int rank) {
-  return absl::AbortedError(absl::StrCat("vocabulary shard ", rank, " failed"));
-}
 
 int64_t BlockWidth(int64_t vocab, int64_t block) {
   return std::min(k::kVocabBlock, vocab - block * k::kVocabBlock);

@@ -1,0 +1,59 @@
+// JobPlan: the read-only description of one CudaBackend job that its rank workers share (layout,
+// tile sizes, message layout, which inputs are read in place), and the tile-size constants the
+// planner and the workers agree on. Built by CudaBackend::Plan on the calling thread before the
+// rank threads start; never written after.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "logitserve/kernels/block_stats.h"
+#include "logitserve/kernels/cuda_kernels.h"
+#include "server/backend/backend.h"
+
+namespace logitserve::cuda_internal {
+
+namespace k = kernels;
+namespace kc = kernels::cuda;
+
+// Logits mode: most rows per tile (bounds the per-rank message, O(rows * (blocks + top_k))).
+constexpr int64_t kMaxLogitsTileRows = 8192;
+// first_bad_row's "no bad row" value (cudaMemset byte 0x7f).
+constexpr int32_t kNoBadRow = 0x7f7f7f7f;
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t CeilDiv(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Read-only description of one job, shared by the rank workers.
+struct JobPlan {
+  const ScoreJob* job = nullptr;
+  std::vector<ShardRange> layout;
+  kc::ShardBlocks shards;
+  int64_t num_blocks = 0;
+  int64_t max_blocks = 0;
+  bool pair = false;
+  bool jsd_pass = false;  // 0 < beta < 1: second pass
+  int32_t jsd_endpoint = 0;
+  bool any_hidden = false;
+  // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
+  // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
+  bool overlap_gemms = false;
+  int64_t tile_rows = 0;   // rows per tile (the last tile may hold fewer)
+  int64_t chunk_cols = 0;  // vocabulary columns per statistics launch
+  kc::TileMessage msg;
+  std::vector<bool> model_zero_copy;  // per rank: the model logits already live on its device
+  std::vector<bool> ref_zero_copy;
+  // Some logits input lives in pageable host memory: its per-tile copy waits (in the driver,
+  // without a time limit) for the rank's stream, so a rank lets only one tile run ahead of the
+  // host. (Pageable hidden states are staged through pinned memory instead: no such wait.)
+  bool pageable_logits = false;
+  bool model_pageable_hidden = false;
+  bool ref_pageable_hidden = false;
+};
+
+// The statistics records inside one rank's tile message (kc::TileMessage's layout).
+inline k::PairBlockStats* StatsOf(uint8_t* msg, const kc::TileMessage& m) {
+  return reinterpret_cast<k::PairBlockStats*>(msg + m.stats_offset);
+}
+
+}  // namespace logitserve::cuda_internal

@@ -1,0 +1,531 @@
+#include "server/backend/cuda/rank_worker.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "server/backend/cuda/cuda_status.h"
+
+namespace logitserve::cuda_internal {
+
+namespace k = kernels;
+namespace kc = kernels::cuda;
+
+void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
+                           std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets) {
+  d.in = &in;
+  d.hidden = in.hidden_mode();
+  std::array<size_t, 4> off{};  // staging, raw, x_parts, slots
+  const size_t rows = static_cast<size_t>(plan_.tile_rows);
+  if (!d.hidden) {
+    d.zero_copy = zero_copy;
+    d.transform.temperature = in.temperature;
+    if (!zero_copy && shard_width_ > 0) {
+      d.staging_ld = RoundUp(shard_width_, 8);
+      off[0] = carver.Add(rows * static_cast<size_t>(d.staging_ld * k::SizeOf(in.logits.type)));
+    }
+  } else {
+    d.head = static_cast<const CudaHead*>(in.head.get());
+    d.hidden_parts = kc::PartsFor(in.hidden.type);
+    const HeadTransform& ht = d.head->weights().transform;
+    d.transform.head = true;
+    if (ht.logits_scaling != 1.0f) {  // the CPU backend's choice, kept identical
+      d.transform.scale = ht.logits_scaling;
+      d.transform.divide_by_scale = true;
+    } else {
+      d.transform.scale = ht.logit_scale;
+    }
+    d.transform.softcap = ht.softcap;
+    d.transform.temperature = in.temperature;
+    if (shard_width_ > 0) {
+      const size_t h = static_cast<size_t>(in.hidden.cols);
+      off[1] = carver.Add(rows * h * static_cast<size_t>(k::SizeOf(in.hidden.type)));
+      off[2] = carver.Add(static_cast<size_t>(d.hidden_parts) * rows *
+                          static_cast<size_t>(d.head->k_pad) * sizeof(uint16_t));
+      // JSD's second pass reads the tile's logits again: keep every chunk rather than recompute.
+      // Otherwise two slots: the GEMMs fill one while the statistics read the other.
+      d.n_slots = plan_.jsd_pass ? num_chunks_ : 2;
+      off[3] = carver.Add(static_cast<size_t>(d.n_slots) * rows *
+                          static_cast<size_t>(kCudaVocabChunk) * sizeof(float));
+    }
+  }
+  offsets.emplace_back(&d, off);
+}
+
+absl::Status RankWorker::Prepare() {
+  DeviceGuard guard(rank_.device);
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
+  const kc::TileMessage& m = plan_.msg;
+  const size_t rows = static_cast<size_t>(plan_.tile_rows);
+  const size_t n = static_cast<size_t>(job_.rows);
+  Carver carver;
+  const size_t send_at = carver.Add(m.bytes);
+  const size_t recv_at = num_ranks_ > 1 ? carver.Add(m.bytes * static_cast<size_t>(num_ranks_)) : 0;
+  const size_t partial_bytes = rows * static_cast<size_t>(plan_.max_blocks) * sizeof(float);
+  const size_t psend_at = plan_.jsd_pass ? carver.Add(partial_bytes) : 0;
+  const size_t precv_at = plan_.jsd_pass && num_ranks_ > 1
+                              ? carver.Add(partial_bytes * static_cast<size_t>(num_ranks_))
+                              : 0;
+  const size_t fa_at = carver.Add(rows * sizeof(k::RowStats));
+  const size_t fb_at = carver.Add(rows * sizeof(k::RowStats));
+  const size_t bad_at = carver.Add(2 * sizeof(int32_t));
+  const size_t ids_count = n * static_cast<size_t>(job_.ids_per_row);
+  const size_t ids_at = carver.Add(ids_count * sizeof(int32_t));
+  // Outputs (rank 0 only).
+  const size_t topk_count = n * static_cast<size_t>(job_.top_k);
+  size_t out_at[8] = {};
+  if (reports_) {
+    out_at[0] = carver.Add(ids_count * sizeof(float));
+    out_at[1] = carver.Add(topk_count * sizeof(int32_t));
+    out_at[2] = carver.Add(topk_count * sizeof(float));
+    for (int i = 3; i < 8; ++i) out_at[i] = carver.Add(n * sizeof(float));
+  }
+  std::vector<std::pair<Dist*, std::array<size_t, 4>>> dist_offsets;
+  SetUpDist(model_, job_.model, plan_.model_zero_copy[static_cast<size_t>(rank_.index)], carver,
+            dist_offsets);
+  if (plan_.pair) {
+    SetUpDist(ref_, job_.reference, plan_.ref_zero_copy[static_cast<size_t>(rank_.index)], carver,
+              dist_offsets);
+  }
+  LOGITSERVE_RETURN_IF_ERROR(rank_.workspace.Reserve(rank_.device, carver.total()));
+  // Pinned tiles for pageable hidden states.
+  {
+    std::vector<std::pair<Dist*, size_t>> pinned;
+    size_t pinned_total = 0;
+    auto want = [&](Dist& d, const DistributionInput& in, bool pageable) {
+      d.pinned = {};
+      if (!pageable || !in.hidden_mode() || shard_width_ == 0) return;
+      const size_t bytes =
+          static_cast<size_t>(plan_.tile_rows * in.hidden.cols * k::SizeOf(in.hidden.type));
+      pinned.emplace_back(&d, bytes);
+      pinned_total += 2 * ((bytes + 255) / 256 * 256);
+    };
+    want(model_, job_.model, plan_.model_pageable_hidden);
+    if (plan_.pair) want(ref_, job_.reference, plan_.ref_pageable_hidden);
+    LOGITSERVE_RETURN_IF_ERROR(rank_.host_staging.Reserve(pinned_total));
+    size_t at = 0;
+    for (auto& [d, bytes] : pinned) {
+      for (uint8_t*& p : d->pinned) {
+        p = rank_.host_staging.data() + at;
+        at += (bytes + 255) / 256 * 256;
+      }
+    }
+  }
+  uint8_t* base = rank_.workspace.as<uint8_t>();
+  send_ = base + send_at;
+  recv_ = num_ranks_ > 1 ? base + recv_at : send_;
+  partial_send_ = reinterpret_cast<float*>(base + psend_at);
+  partial_recv_ = num_ranks_ > 1 ? reinterpret_cast<float*>(base + precv_at) : partial_send_;
+  folded_a_ = reinterpret_cast<k::RowStats*>(base + fa_at);
+  folded_b_ = reinterpret_cast<k::RowStats*>(base + fb_at);
+  first_bad_ = reinterpret_cast<int32_t*>(base + bad_at);
+  ids_ = reinterpret_cast<int32_t*>(base + ids_at);
+  for (auto& [d, off] : dist_offsets) {
+    d->staging = base + off[0];
+    d->raw = base + off[1];
+    d->x_parts = reinterpret_cast<uint16_t*>(base + off[2]);
+    d->slots = reinterpret_cast<float*>(base + off[3]);
+  }
+  if (reports_) {
+    outputs_.target_ids = ids_;
+    outputs_.ids_per_row = job_.ids_per_row;
+    outputs_.ignore_index = job_.ignore_index;
+    if (ids_count > 0) outputs_.target_logprobs = reinterpret_cast<float*>(base + out_at[0]);
+    outputs_.top_k = job_.top_k;
+    if (topk_count > 0) {
+      outputs_.top_k_ids = reinterpret_cast<int32_t*>(base + out_at[1]);
+      outputs_.top_k_logprobs = reinterpret_cast<float*>(base + out_at[2]);
+    }
+    if (job_.entropy) outputs_.entropy = reinterpret_cast<float*>(base + out_at[3]);
+    if (job_.reference_entropy)
+      outputs_.reference_entropy = reinterpret_cast<float*>(base + out_at[4]);
+    if (job_.forward_kl) outputs_.forward_kl = reinterpret_cast<float*>(base + out_at[5]);
+    if (job_.reverse_kl) outputs_.reverse_kl = reinterpret_cast<float*>(base + out_at[6]);
+    if (job_.jsd_beta) outputs_.jsd = reinterpret_cast<float*>(base + out_at[7]);
+    outputs_.jsd_endpoint = plan_.jsd_endpoint;
+  }
+  // Pinned staging for the small host <-> device copies: a copy from or to pageable memory is
+  // staged by the driver and synchronous (~10 us each on the H200 machine); these are
+  // asynchronous and the job waits once, at its end. Layout: ids, then each requested output.
+  const auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  size_t io_bytes = align(ids_count * sizeof(int32_t)) + align(2 * sizeof(int32_t));
+  if (reports_) {
+    io_bytes += align(ids_count * sizeof(float)) + 2 * align(topk_count * sizeof(float)) +
+                5 * align(n * sizeof(float));
+  }
+  LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_bytes));
+  if (ids_count > 0) {
+    std::memcpy(rank_.host_io.data(), job_.target_ids.data(), ids_count * sizeof(int32_t));
+  }
+  io_outputs_at_ = align(ids_count * sizeof(int32_t));
+  uploads_pending_ = true;  // queued behind the first statistics launch (IssueUploads)
+  return absl::OkStatus();
+}
+
+// The job's small set-up copies (target ids up, the bad-row sentinel), queued on the stream
+// after the first statistics kernel rather than before it: nothing before the gather and the
+// fold reads them, and the statistics kernel then starts without waiting for them (a few us of
+// copy latency each on the critical path otherwise).
+absl::Status RankWorker::IssueUploads() {
+  if (!uploads_pending_) return absl::OkStatus();
+  uploads_pending_ = false;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), stream()));
+  const size_t ids_count = static_cast<size_t>(job_.rows) * static_cast<size_t>(job_.ids_per_row);
+  if (ids_count > 0) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+        ids_, rank_.host_io.data(), ids_count * sizeof(int32_t), cudaMemcpyHostToDevice, stream()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows) {
+  if (shard_width_ == 0) return absl::OkStatus();
+  if (!d.hidden) {
+    if (d.zero_copy) return absl::OkStatus();
+    const int64_t es = k::SizeOf(d.in->logits.type);
+    const auto* src =
+        static_cast<const uint8_t*>(d.in->logits.data) + (row0 * job_.vocab + shard_.begin) * es;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpy2DAsync(
+        d.staging, static_cast<size_t>(d.staging_ld * es), src,
+        static_cast<size_t>(job_.vocab * es), static_cast<size_t>(shard_width_ * es),
+        static_cast<size_t>(rows), cudaMemcpyDefault, stream()));
+    return absl::OkStatus();
+  }
+  const MatrixView& h = d.in->hidden;
+  const int64_t es = k::SizeOf(h.type);
+  const size_t bytes = static_cast<size_t>(rows * h.cols * es);
+  const uint8_t* src = static_cast<const uint8_t*>(h.data) + row0 * h.cols * es;
+  if (d.pinned[0] != nullptr) {
+    // Run() has waited for tile t - 2, the last reader of this pinned tile.
+    uint8_t* pinned = d.pinned[static_cast<size_t>((row0 / plan_.tile_rows) % 2)];
+    std::memcpy(pinned, src, bytes);
+    src = pinned;
+  }
+  // On gemm_stream, behind the previous tile's GEMMs (the only readers of raw and x_parts).
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(d.raw, src, bytes, cudaMemcpyDefault, gemm_stream()));
+  // Rows past `rows` become zeros: the GEMM always multiplies kCudaRowTile rows.
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchSplitToBf16(
+      h.type, d.raw, h.cols, rows, h.cols, d.hidden_parts, d.x_parts, kCudaRowTile, d.head->k_pad,
+      static_cast<size_t>(kCudaRowTile * d.head->k_pad), gemm_stream()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t row0, bool compute,
+                                                    int64_t slot_index) {
+  const int64_t cc0 = c * plan_.chunk_cols;  // shard-local first column of the chunk
+  kc::LogitsSource src;
+  src.col0 = shard_.begin + cc0;
+  src.cols = std::min(plan_.chunk_cols, shard_width_ - cc0);
+  src.transform = d.transform;
+  if (!d.hidden) {
+    src.type = d.in->logits.type;
+    const int64_t es = k::SizeOf(src.type);
+    if (d.zero_copy) {
+      src.data = static_cast<const uint8_t*>(d.in->logits.data) +
+                 (row0 * job_.vocab + shard_.begin + cc0) * es;
+      src.ld = job_.vocab;
+    } else {
+      src.data = d.staging + cc0 * es;
+      src.ld = d.staging_ld;
+    }
+    return src;
+  }
+  // Hidden mode: chunk c of the head shard (whole kCudaVocabChunk rows, zero-padded).
+  float* slot = d.slots + slot_index * kCudaRowTile * kCudaVocabChunk;
+  const CudaHead& head = *d.head;
+  const CudaHead::Shard& hs = head.shards[static_cast<size_t>(rank_.index)];
+  if (compute) {
+    const size_t x_stride = static_cast<size_t>(kCudaRowTile * head.k_pad);
+    for (int j = 0; j < d.hidden_parts; ++j) {
+      for (int i = 0; i < head.parts; ++i) {
+        const uint16_t* w = head.Part(rank_.index, i) + cc0 * head.k_pad;
+        if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot,
+                                  /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
+                                  gemm_stream());
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+  }
+  src.type = k::FloatType::kFloat32;
+  src.data = slot;
+  src.ld = kCudaVocabChunk;
+  if (hs.bias.data() != nullptr) src.transform.bias = hs.bias.as<float>() + cc0;
+  return src;
+}
+
+absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
+  const kc::TileMessage& m = plan_.msg;
+  // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % 2:
+  // its GEMMs wait until the statistics of chunk g - 2 are done with that slot, and its statistics
+  // wait until its GEMMs are done. With a JSD pass every chunk of the tile keeps its own slot until
+  // the pass, so the tile's GEMMs wait for the previous tile's pass instead. Both streams' order
+  // and every kernel's inputs are those of one stream: the bits do not change.
+  const bool split = plan_.any_hidden && plan_.overlap_gemms;
+  auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
+    return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
+                      __LINE__);
+  };
+  auto record = [](const CudaEvent& e, cudaStream_t on) {
+    return CudaStatus(cudaEventRecord(e.get(), on), "cudaEventRecord", __FILE__, __LINE__);
+  };
+  if (split && plan_.jsd_pass && row0 > 0) {
+    LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slots_released));
+  }
+  LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows));
+  if (plan_.pair) {
+    LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows));
+  }
+  k::PairBlockStats* stats = StatsOf(send_, m);
+  auto* lists = reinterpret_cast<k::TopKEntry*>(send_ + m.topk_offset);
+  auto* counts = reinterpret_cast<int32_t*>(send_ + m.count_offset);
+  auto* targets = reinterpret_cast<float*>(send_ + m.target_offset);
+  bool cleared = false;  // the message's top-k and target sections (below)
+  for (int64_t c = 0; c < num_chunks_; ++c) {
+    const int64_t g = chunk_seq_++;
+    const size_t e = static_cast<size_t>(g % 2);
+    const int64_t slot = plan_.jsd_pass ? c : g % 2;
+    if (split && !plan_.jsd_pass && g >= 2) {
+      LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slot_free[e]));
+    }
+    absl::StatusOr<kc::LogitsSource> a = Source(model_, c, row0, /*compute=*/true, slot);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<kc::LogitsSource> b;
+    if (plan_.pair) {
+      b = Source(ref_, c, row0, /*compute=*/true, slot);
+      if (!b.ok()) return b.status();
+    }
+    if (split) {
+      LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled[e], gemm_stream()));
+      LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
+    }
+    const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(
+        *a, plan_.pair ? &*b : nullptr, rows, stats, m.max_blocks, local_block, stream()));
+    if (c == 0) {
+      cleared = true;
+      // Only the top-k counts need a defined start: every statistics record and every target
+      // logit the fold reads is written by this tile's kernels (a target id is read from the
+      // rank whose columns hold it). Queued behind the statistics.
+      if (job_.top_k > 0) {
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(
+            cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+      }
+      LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
+    }
+    if (job_.ids_per_row > 0) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
+          *a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
+    }
+    if (job_.top_k > 0) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchTopKUpdate(*a, rows, job_.top_k, lists, counts, stream()));
+    }
+    if (split && !plan_.jsd_pass) {
+      LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_free[e], stream()));
+    }
+  }
+  if (!cleared && job_.top_k > 0) {  // a shard without columns: empty lists
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
+  if (auto s = IssueUploads(); !s.ok()) return s;  // a shard without columns launched nothing
+  kc::GatheredTile tile;
+  tile.messages = recv_;
+  tile.layout = plan_.msg;
+  tile.shards = plan_.shards;
+  tile.num_blocks = plan_.num_blocks;
+  tile.pair = plan_.pair;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      kc::LaunchFoldRows(tile, rows, row0, kc::FoldedRows{folded_a_, folded_b_}, first_bad_,
+                         reports_ ? &outputs_ : nullptr, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
+  const size_t bytes = static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float);
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(partial_send_, 0, bytes, stream()));
+  for (int64_t c = 0; c < num_chunks_; ++c) {
+    // Logits mode reads the staged (or resident) tile again; hidden mode its kept chunks.
+    absl::StatusOr<kc::LogitsSource> s = Source(model_, c, row0, /*compute=*/false, c);
+    if (!s.ok()) return s.status();
+    absl::StatusOr<kc::LogitsSource> t = Source(ref_, c, row0, /*compute=*/false, c);
+    if (!t.ok()) return t.status();
+    const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdPartials(*s, *t, rows, folded_a_, folded_b_,
+                                                          *job_.jsd_beta, partial_send_,
+                                                          plan_.max_blocks, local_block, stream()));
+  }
+  // The next tile's GEMMs may overwrite the kept chunks now.
+  if (plan_.any_hidden) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.slots_released.get(), stream()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::JsdGatherAndFinish(int64_t row0, int64_t rows) {
+  if (!reports_) return absl::OkStatus();
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdFinish(
+      partial_recv_, static_cast<size_t>(plan_.tile_rows * plan_.max_blocks), plan_.max_blocks,
+      plan_.shards, plan_.num_blocks, folded_a_, folded_b_, rows, row0, outputs_.jsd, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::WaitFor(cudaEvent_t event, const char* what) {
+  return PollUntil(
+      [&]() -> absl::StatusOr<bool> {
+        const cudaError_t q = cudaEventQuery(event);
+        if (q == cudaSuccess) return true;
+        if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery", __FILE__, __LINE__);
+        if (rank_.nccl != nullptr) {
+          LOGITSERVE_RETURN_IF_ERROR(rank_.nccl->AsyncError());
+        }
+        return false;
+      },
+      timeout_, &fatal_,
+      absl::StrCat(what, " on GPU ", rank_.device, " (vocabulary shard ", rank_.index, ")"));
+}
+
+absl::Status RankWorker::WaitIdle(const char* what) {
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.gemm_idle.get(), gemm_stream()));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.gemm_idle.get(), 0));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.idle.get(), stream()));
+  return WaitFor(rank_.idle.get(), what);
+}
+
+absl::Status RankWorker::InjectFault() {
+  switch (fault_) {
+    case TestFault::kStall:
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTestStall(
+          static_cast<uint64_t>(absl::ToInt64Nanoseconds(3 * timeout_)), stream()));
+      break;
+    case TestFault::kStickyError:
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTestIllegalStore(nullptr, stream()));
+      break;
+    case TestFault::kSkipCollective:  // in Run
+    case TestFault::kNone:
+      break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::Run() {
+  DeviceGuard guard(rank_.device);
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
+  int64_t step = 0;
+  absl::Status local = absl::OkStatus();  // the first failure since the previous checkpoint
+  auto note = [&](absl::Status s) {
+    if (s.ok()) return;
+    if (IsFatalDeviceError(s)) fatal_.Fail(s);
+    if (local.ok()) local = std::move(s);
+  };
+  // A checkpoint: true when the job stops here; `local` then holds this rank's status.
+  auto stop = [&]() {
+    if (step == test_fail_step_) note(absl::InternalError("injected failure (test_fail_step)"));
+    const bool stop_here = failure_.Failed(step++, rank_.index, !local.ok());
+    if (stop_here && local.ok()) local = PeerFailed(failure_.rank());
+    return stop_here;
+  };
+  int64_t gathers = 0;
+  auto gather = [&](const void* send, void* recv, size_t bytes) {
+    if (num_ranks_ == 1) return;
+    // Test fault: only the job's first gather (NCCL connections are up; the peers then wait on
+    // the GPU for gathers that never come).
+    if (fault_ == TestFault::kSkipCollective && gathers++ > 0) return;
+    note(rank_.comm->AllGather(send, recv, bytes));
+  };
+  // At most `depth` tiles queued ahead of the host. Two keep the GPU busy while the host queues
+  // the next tile; one where a pageable copy would wait for the stream inside the driver anyway.
+  const int64_t depth = plan_.pageable_logits ? 1 : kTileEvents;
+  for (int64_t t = 0, row0 = 0; row0 < job_.rows; ++t, row0 += plan_.tile_rows) {
+    const int64_t rows = std::min(plan_.tile_rows, job_.rows - row0);
+    if (local.ok() && t >= depth) {
+      note(WaitFor(rank_.tile_done[static_cast<size_t>((t - depth) % kTileEvents)].get(),
+                   "row tile"));
+    }
+    // A stop (cancelled / expired) travels like a failure: every rank ends at this tile, and
+    // nothing of it has been queued.
+    if (local.ok()) note(job_.CheckStop(rows));
+    if (local.ok()) note(ComputeTile(row0, rows));
+    if (stop()) return local;
+    gather(send_, recv_, plan_.msg.bytes);
+    if (local.ok()) note(FoldTile(row0, rows));
+    if (plan_.jsd_pass) {
+      if (local.ok()) note(JsdTile(row0, rows));
+      if (stop()) return local;
+      gather(partial_send_, partial_recv_,
+             static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float));
+      if (local.ok()) note(JsdGatherAndFinish(row0, rows));
+    }
+    // Test faults go after the first tile's work: the next tile's wait (or Finish's) meets them.
+    if (local.ok() && t == 0) note(InjectFault());
+    if (local.ok()) {
+      note(CudaStatus(
+          cudaEventRecord(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), stream()),
+          "cudaEventRecord", __FILE__, __LINE__));
+    }
+  }
+  // No collective follows: a failure after the last checkpoint only needs reporting.
+  if (!local.ok()) failure_.Note(rank_.index);
+  return local;
+}
+
+absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {
+  DeviceGuard guard(rank_.device);
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
+  if (copy) {
+    LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
+  }
+  // Work still queued reads the request's memory and this rank's workspace: it must be done
+  // before Score returns. The reporting rank's output copies go to pinned memory (asynchronous,
+  // queued behind that work), so one wait after them covers both; every other rank waits here.
+  if (!(copy && reports_)) {
+    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
+  }
+  if (copy && reports_) {
+    // Asynchronous copies into the pinned staging (see Prepare), one wait, then host copies.
+    uint8_t* io = rank_.host_io.data();
+    size_t at = io_outputs_at_;
+    std::vector<std::pair<std::pair<void*, size_t>, size_t>> back;  // (dst, bytes), staging at
+    auto copy_out = [&](auto& vec, const void* dev) -> absl::Status {
+      if (vec.empty() || dev == nullptr) return absl::OkStatus();
+      const size_t bytes = vec.size() * sizeof(vec[0]);
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(io + at, dev, bytes, cudaMemcpyDeviceToHost, stream()));
+      back.push_back({{vec.data(), bytes}, at});
+      at += (bytes + 255) / 256 * 256;
+      return absl::OkStatus();
+    };
+    for (absl::Status s :
+         {copy_out(result->target_logprobs, outputs_.target_logprobs),
+          copy_out(result->top_k_ids, outputs_.top_k_ids),
+          copy_out(result->top_k_logprobs, outputs_.top_k_logprobs),
+          copy_out(result->entropy, outputs_.entropy),
+          copy_out(result->reference_entropy, outputs_.reference_entropy),
+          copy_out(result->forward_kl, outputs_.forward_kl),
+          copy_out(result->reverse_kl, outputs_.reverse_kl), copy_out(result->jsd, outputs_.jsd)}) {
+      if (!s.ok()) return s;
+    }
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + at, first_bad_, 2 * sizeof(int32_t),
+                                                    cudaMemcpyDeviceToHost, stream()));
+    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("output copy"));
+    for (const auto& [dst, from] : back) std::memcpy(dst.first, io + from, dst.second);
+    std::memcpy(first_bad, io + at, 2 * sizeof(int32_t));
+  }
+  if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();
+  return absl::OkStatus();
+}
+
+// ---- The backend -----------------------------------------------------------------------------
+
+}  // namespace logitserve::cuda_internal

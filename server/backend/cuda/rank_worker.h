@@ -1,0 +1,158 @@
+// RankWorker: one rank's part of one CudaBackend job, on that rank's host thread: prepare (the
+// job's workspace, target ids), then every row tile (stop check -> statistics of the shard's
+// blocks, hidden mode behind the GEMMs -> all-gather -> fold -> optional JSD pass), then finish
+// (wait idle, rank 0 copies the outputs). Created per job by CudaBackend::Score, one per rank.
+//
+// Thread safety: one thread per worker; workers of one job meet only through JobFailure, the
+// communicator and the shared read-only JobPlan.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "logitserve/kernels/block_stats.h"
+#include "logitserve/kernels/cuda_kernels.h"
+#include "server/backend/backend.h"
+#include "server/backend/cuda/cuda_head.h"
+#include "server/backend/cuda/cuda_test_fault.h"
+#include "server/backend/cuda/job_plan.h"
+#include "server/backend/cuda/rank.h"
+#include "server/backend/cuda/watchdog.h"
+#include "server/backend/job_failure.h"
+
+namespace logitserve::cuda_internal {
+
+namespace k = kernels;
+namespace kc = kernels::cuda;
+
+// Where a pointer lives: the device holding it, or -1 for host memory.
+inline int DeviceOf(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // older drivers report unregistered host memory as an error
+    return -1;
+  }
+  return attr.type == cudaMemoryTypeDevice ? attr.device : -1;
+}
+
+// Whether p is host memory that CUDA does not know (neither pinned nor managed nor device).
+inline bool IsPageable(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return attr.type == cudaMemoryTypeUnregistered;
+}
+
+class RankWorker {
+ public:
+  RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure, FatalState& fatal,
+             absl::Duration timeout, int64_t test_fail_step, TestFault fault)
+      : rank_(rank),
+        plan_(plan),
+        job_(*plan.job),
+        num_ranks_(num_ranks),
+        shard_(plan.layout[static_cast<size_t>(rank.index)]),
+        shard_width_(shard_.end - shard_.begin),
+        num_chunks_(shard_width_ > 0 ? CeilDiv(shard_width_, plan.chunk_cols) : 0),
+        reports_(rank.index == 0),
+        failure_(failure),
+        fatal_(fatal),
+        timeout_(timeout),
+        test_fail_step_(test_fail_step),
+        fault_(fault.rank == rank.index ? fault.kind : TestFault::kNone) {}
+
+  // Allocates the job's workspace and uploads the target ids. No collectives.
+  absl::Status Prepare();
+  // Every tile. Before each collective the ranks agree (JobFailure) whether any of them failed;
+  // if so, all return there (the failing rank its own status, the others PeerFailed). A stop
+  // (job.CheckStop(), before every tile) is such a failure.
+  absl::Status Run();
+  // Every rank waits (watchdog) until its stream is idle, so nothing queued outlives the job;
+  // then, when `copy` (the job succeeded), rank 0 copies the outputs into `result` and the
+  // bad-row markers into first_bad. Every rank checks NCCL.
+  absl::Status Finish(bool copy, ScoreResult* result, int32_t* first_bad);
+
+ private:
+  struct Dist {
+    const DistributionInput* in = nullptr;
+    bool hidden = false;
+    // Logits mode.
+    bool zero_copy = false;
+    uint8_t* staging = nullptr;
+    int64_t staging_ld = 0;
+    // Hidden mode.
+    const CudaHead* head = nullptr;
+    int hidden_parts = 0;
+    uint8_t* raw = nullptr;  // [tile_rows][H] of the input dtype
+    // Pageable hidden states: two pinned host tiles [tile_rows][H] (tile t uses t % 2), filled by
+    // the host thread while the GPU works on earlier tiles, then copied asynchronously.
+    std::array<uint8_t*, 2> pinned{};
+    uint16_t* x_parts = nullptr;  // hidden_parts x [kCudaRowTile][k_pad]
+    float* slots = nullptr;       // n_slots x [kCudaRowTile][kCudaVocabChunk]
+    int64_t n_slots = 0;
+    kc::LoadTransform transform;
+  };
+
+  void SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
+                 std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets);
+  absl::Status IssueUploads();
+  absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows);
+  // The source for chunk c; hidden mode reads logits slot `slot` and runs its GEMMs into it first
+  // (on gemm_stream) when `compute`.
+  absl::StatusOr<kc::LogitsSource> Source(Dist& d, int64_t c, int64_t row0, bool compute,
+                                          int64_t slot);
+  absl::Status ComputeTile(int64_t row0, int64_t rows);
+  absl::Status FoldTile(int64_t row0, int64_t rows);
+  absl::Status JsdTile(int64_t row0, int64_t rows);
+  absl::Status JsdGatherAndFinish(int64_t row0, int64_t rows);
+  // Polls `event` until it completes (watchdog: collective_timeout; NCCL errors; a fatal error on
+  // another rank abandons the wait).
+  absl::Status WaitFor(cudaEvent_t event, const char* what);
+  absl::Status WaitIdle(const char* what);
+  // CudaBackendOptions::test_fault on this rank, at the end of the job's first tile.
+  absl::Status InjectFault();
+  cudaStream_t stream() const { return rank_.stream.get(); }
+  cudaStream_t gemm_stream() const {
+    return plan_.overlap_gemms ? rank_.gemm_stream.get() : rank_.stream.get();
+  }
+
+  Rank& rank_;
+  const JobPlan& plan_;
+  const ScoreJob& job_;
+  const int num_ranks_;
+  const ShardRange shard_;
+  const int64_t shard_width_;
+  const int64_t num_chunks_;
+  const bool reports_;  // rank 0 writes the outputs
+  JobFailure& failure_;
+  FatalState& fatal_;
+  const absl::Duration timeout_;
+  const int64_t test_fail_step_;  // CudaBackendOptions::test_fail_step when this rank fails
+  const TestFault::Kind fault_;   // CudaBackendOptions::test_fault when it names this rank
+  int64_t chunk_seq_ = 0;         // hidden mode: chunks computed so far in this job (all tiles)
+
+  Dist model_, ref_;
+  uint8_t* send_ = nullptr;
+  uint8_t* recv_ = nullptr;
+  float* partial_send_ = nullptr;
+  float* partial_recv_ = nullptr;
+  k::RowStats* folded_a_ = nullptr;
+  k::RowStats* folded_b_ = nullptr;
+  int32_t* first_bad_ = nullptr;
+  int32_t* ids_ = nullptr;
+  size_t io_outputs_at_ = 0;  // where the outputs start in rank_.host_io
+  bool uploads_pending_ = false;
+  kc::RowOutputs outputs_;
+};
+
+}  // namespace logitserve::cuda_internal
