@@ -46,8 +46,8 @@ struct MatrixView {
 // One distribution's input: hidden states times a head (hidden mode), or raw logits.
 struct DistributionInput {
   std::shared_ptr<const PreparedHead> head;  // set in hidden mode
-  MatrixView hidden;                          // [N, H] in hidden mode
-  MatrixView logits;                          // [N, V] in logits mode
+  MatrixView hidden;                         // [N, H] in hidden mode
+  MatrixView logits;                         // [N, V] in logits mode
   float temperature = 1.0f;
   // Request field names, for error messages ("logits", "reference_hidden", ...).
   std::string field;
@@ -103,7 +103,8 @@ struct ShardRange {
   int64_t end = 0;
 };
 
-// Sizes every requested output of `result` for `job` (the others empty), and checks the limits
+// Sizes every requested output of `result` for `job` (the others empty; a reused result's values
+// are left as they were, for the backend to overwrite every one), and checks the limits
 // every backend shares (top_k <= vocab and <= kernels::kMaxTopK). Backends call it first.
 absl::Status StartResult(const ScoreJob& job, ScoreResult* result);
 
