@@ -37,6 +37,14 @@ class StagingBytes {
     return data_.get();
   }
   size_t capacity() const { return capacity_; }
+  // Frees the buffer when it holds more than `keep` bytes (a rare huge batch, e.g. logits mode at
+  // V = 151936, is not held for good).
+  void TrimTo(size_t keep) {
+    if (capacity_ > keep) {
+      data_.reset();
+      capacity_ = 0;
+    }
+  }
 
  private:
   std::unique_ptr<std::byte[]> data_;
@@ -44,10 +52,16 @@ class StagingBytes {
 };
 
 // Owns the concatenated inputs of a merged job; must outlive the job. Reusable: a scheduler
-// worker keeps one (at most max_batch_tokens rows of each input, the largest batch it merged).
+// worker keeps one between batches, up to kKeepBytes per input (a hidden-mode batch of 8192 rows
+// at H = 4096 bf16 is 64 MiB); a larger one is freed after its batch, as before reuse.
 struct MergedInputs {
+  static constexpr size_t kKeepBytes = size_t{256} << 20;
   StagingBytes model;
   StagingBytes reference;
+  void Trim() {
+    model.TrimTo(kKeepBytes);
+    reference.TrimTo(kKeepBytes);
+  }
 };
 
 // One job over the rows of `parts` in order (their inputs copied into `storage`).

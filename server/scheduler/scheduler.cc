@@ -153,6 +153,7 @@ void Scheduler::WorkerLoop() {
     std::vector<std::unique_ptr<Queued>> batch = TakeBatch();
     if (batch.empty()) return;
     RunBatch(std::move(batch), &staging);
+    staging.Trim();
   }
 }
 

@@ -134,6 +134,10 @@ TEST(MergeJobsTest, ReusedStagingGivesEachBatchItsOwnRows) {
     EXPECT_EQ(row, merged.rows);
   }
   EXPECT_EQ(staging.model.capacity(), size_t{7 * 50 * 2});
+  staging.Trim();  // small: kept
+  EXPECT_EQ(staging.model.capacity(), size_t{7 * 50 * 2});
+  staging.model.TrimTo(100);  // over the limit: freed
+  EXPECT_EQ(staging.model.capacity(), 0u);
 }
 
 }  // namespace
