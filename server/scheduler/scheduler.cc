@@ -201,11 +201,10 @@ void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch, MergedInput
     }
     return;
   }
-  // Stopped (cancelled / expired) items are never launched; failed prechecks fail alone.
+  // Stopped (cancelled / expired) items are never launched.
   std::vector<Queued*> members;
   for (auto& q : batch) {
     absl::Status s = q->item.stop ? q->item.stop() : absl::OkStatus();
-    if (s.ok() && q->item.precheck) s = q->item.precheck(q->item.job);
     if (!s.ok()) {
       finish_now(*q, std::move(s));
     } else {

@@ -80,9 +80,6 @@ class Scheduler {
     ScoreJob job;  // validated; its views must stay valid until `done` has been called
     // The request's own cancellation / deadline (OK = keep going); may be empty.
     std::function<absl::Status()> stop;
-    // Checks that need the request's bytes (e.g. the hidden-state NaN scan), run on the worker
-    // before batching; a failure fails this item only. May be empty.
-    std::function<absl::Status(const ScoreJob& job)> precheck;
     Done done;
     // Bytes the item makes the server hold beyond EstimateItemBytes(job), counted against the
     // memory budget too: the rest of the request message, outputs the caller derives from the
