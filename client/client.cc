@@ -302,15 +302,8 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
     return out;
   }
 
-  // The template copies the whole request once (row bytes included) so that every per-request
-  // field, present or added later to the proto, reaches each chunk unchanged.
-  v1::ScoreRequest without_rows = request;
-  without_rows.clear_hidden();
-  without_rows.clear_logits();
-  without_rows.clear_reference_hidden();
-  without_rows.clear_reference_logits();
-  without_rows.clear_target_ids();
-  without_rows.clear_sequence_lengths();
+  // Every per-request field, present or added later to the proto, reaches each chunk unchanged.
+  v1::ScoreRequest without_rows = RequestWithoutRows(request);
   const int64_t total_rows = RequestRows(request);
   for (const RowChunk& chunk : *plan) {
     const v1::ScoreRequest chunk_request = MakeChunkRequest(request, without_rows, chunk);
@@ -337,13 +330,7 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
 
 absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& request,
                                                    const std::vector<RowChunk>& plan) {
-  v1::ScoreRequest without_rows = request;
-  without_rows.clear_hidden();
-  without_rows.clear_logits();
-  without_rows.clear_reference_hidden();
-  without_rows.clear_reference_logits();
-  without_rows.clear_target_ids();
-  without_rows.clear_sequence_lengths();
+  const v1::ScoreRequest without_rows = RequestWithoutRows(request);
   // Chunk i goes on stream i % streams; each stream runs on its own thread and connection.
   const size_t streams = std::min(plan.size(), pipeline_stubs_.size());
   std::vector<PipelineOutcome> outcomes(streams);

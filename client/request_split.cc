@@ -10,6 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "client/tensor.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/field_mask.pb.h"
+#include "google/protobuf/util/field_mask_util.h"
 
 namespace logitserve::client {
 namespace {
@@ -176,6 +179,33 @@ absl::StatusOr<std::vector<RowChunk>> PlanChunks(const v1::ScoreRequest& request
   }
   chunks.push_back(current);
   return chunks;
+}
+
+v1::ScoreRequest RequestWithoutRows(const v1::ScoreRequest& request) {
+  // The mask names every top-level field but the row ones, so no row byte is read or copied.
+  static const google::protobuf::FieldMask* const kMask = [] {
+    auto* mask = new google::protobuf::FieldMask();
+    const google::protobuf::Descriptor* d = v1::ScoreRequest::descriptor();
+    for (int i = 0; i < d->field_count(); ++i) {
+      const int number = d->field(i)->number();
+      if (number == v1::ScoreRequest::kHiddenFieldNumber ||
+          number == v1::ScoreRequest::kLogitsFieldNumber ||
+          number == v1::ScoreRequest::kReferenceHiddenFieldNumber ||
+          number == v1::ScoreRequest::kReferenceLogitsFieldNumber ||
+          number == v1::ScoreRequest::kTargetIdsFieldNumber ||
+          number == v1::ScoreRequest::kSequenceLengthsFieldNumber) {
+        continue;
+      }
+      mask->add_paths(d->field(i)->name());
+    }
+    return mask;
+  }();
+  v1::ScoreRequest out;
+  google::protobuf::util::FieldMaskUtil::MergeMessageTo(
+      request, *kMask, google::protobuf::util::FieldMaskUtil::MergeOptions(), &out);
+  out.GetReflection()->MutableUnknownFields(&out)->MergeFrom(
+      request.GetReflection()->GetUnknownFields(request));
+  return out;
 }
 
 v1::ScoreRequest MakeChunkRequest(const v1::ScoreRequest& request,

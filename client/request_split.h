@@ -54,6 +54,11 @@ std::string RebaseRowNumbers(absl::string_view message, int64_t first_row);
 absl::StatusOr<std::vector<RowChunk>> PlanChunks(const v1::ScoreRequest& request, int64_t max_rows,
                                                  int64_t max_bytes);
 
+// The request without its row tensors and sequence_lengths: every other field (present or added
+// later to the proto, unknown fields included) as in `request`. Copies none of the row bytes
+// (copying the request and clearing them would copy, and page in, every hidden byte first).
+v1::ScoreRequest RequestWithoutRows(const v1::ScoreRequest& request);
+
 // `request_without_rows` (the request with its row tensors and sequence_lengths cleared) plus the
 // chunk's slices of `request`'s row tensors and sequence lengths.
 v1::ScoreRequest MakeChunkRequest(const v1::ScoreRequest& request,

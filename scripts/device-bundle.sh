@@ -57,19 +57,34 @@ for t in "${targets[@]}"; do
 done
 cp bench/cuda/torch_baseline.py bench/cuda/triton_peer.py "$BUNDLE/bench/"
 # The wire benchmarks (issue 12): the runner, the Python client's benchmark and the Python package
-# with its generated stubs (installed into a scratch venv here; the GPU machine needs grpcio,
-# protobuf and numpy of its own to run it).
+# with its generated stubs. The GPU machine's python3 has grpcio, protobuf and numpy but nothing
+# can be installed there, so the package is not pip-installed: the wheel the build makes (pure
+# Python, stubs generated here by protoc) is unpacked into python/, which run_wire_bench.sh puts
+# on PYTHONPATH; bin/python-check.sh prints the versions there and whether the stubs import.
 cp bench/rpc/run_wire_bench.sh bench/rpc/wire_bench.py bench/rpc/run_service_bench.sh "$BUNDLE/bench/"
-bundle_python=/usr/bin/python3  # Debian's, with python3-grpcio / -protobuf (as CI's python tests)
+bundle_python=/usr/bin/python3  # Debian's, with python3-build / -setuptools / -wheel (as CI)
 [ -x "$bundle_python" ] || bundle_python=$(command -v python3)
-if bash client/python/ci/install.sh "$bundle_python" "$BUILD_DIR/bundle-venv" \
-    "$BUILD_DIR/bundle-stage" > /dev/null 2>&1; then
+if bash client/python/ci/build_dist.sh "$bundle_python" "$BUILD_DIR/bundle-python-stage" \
+    "$BUILD_DIR/bundle-python-dist" > "$BUILD_DIR/bundle-python.log" 2>&1; then
   mkdir -p "$BUNDLE/python"
-  cp -r "$BUILD_DIR"/bundle-venv/lib/python3*/site-packages/logitserve "$BUNDLE/python/"
-  rm -rf "$BUNDLE/python/logitserve/__pycache__" "$BUNDLE/python/logitserve/v1/__pycache__"
+  "$bundle_python" - "$BUILD_DIR"/bundle-python-dist/logitserve-*-py3-none-any.whl \
+      "$BUNDLE/python" <<'PY'
+import sys, zipfile
+wheel, out = sys.argv[1], sys.argv[2]
+names = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("logitserve/")]
+for stub in ("logitserve/v1/logitserve_pb2.py", "logitserve/v1/logitserve_pb2_grpc.py"):
+    if stub not in names:
+        sys.exit("%s lacks %s" % (wheel, stub))
+zipfile.ZipFile(wheel).extractall(out, names)
+print("device-bundle: Python package from", wheel.rsplit("/", 1)[-1], "->", out)
+PY
+  PYTHONPATH="$BUNDLE/python" "$bundle_python" -B -c \
+    'import logitserve, logitserve.v1.logitserve_pb2_grpc; print("device-bundle: python/ imports", logitserve.__version__)'
 else
-  echo "device-bundle: could not install the Python package (wire_bench.py will not run)"
+  cat "$BUILD_DIR/bundle-python.log"
+  echo "device-bundle: could not build the Python package (wire_bench.py will not run)"
 fi
+cp bench/rpc/python-check.sh "$BUNDLE/bin/"
 
 # Shared libraries: everything ldd resolves, minus the system's own C/C++ runtime and NCCL.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libmvec\.|libpthread\.|libdl\.|librt\.|libresolv\.|libutil\.|libanl\.|libnsl\.|libBrokenLocale\.|libnss_|libstdc\+\+\.|libgcc_s\.|libnccl\.)'

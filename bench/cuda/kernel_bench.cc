@@ -276,6 +276,7 @@ int main(int argc, char** argv) {
         {"logprobs", 1, [](ScoreJob& j) { j.ids_per_row = 1; }},
         {"entropy", 1, [](ScoreJob& j) { j.entropy = true; }},
         {"top_k=64", 1, [](ScoreJob& j) { j.top_k = 64; }},
+        {"top_k=1024", 1, [](ScoreJob& j) { j.top_k = 1024; }},
         {"kl (fwd+rev)", 2, [](ScoreJob& j) { j.forward_kl = j.reverse_kl = true; }},
         {"jsd(0.5)", 2, [](ScoreJob& j) { j.jsd_beta = 0.5f; }},
     };
@@ -346,9 +347,11 @@ int main(int argc, char** argv) {
             wrong += Wrong(result.target_logprobs[r], la[static_cast<size_t>(ids[r])]);
           if (!result.entropy.empty())
             wrong += Wrong(result.entropy[r], logitserve::reference::Entropy(la));
-          if (!result.top_k_ids.empty()) {
-            const auto top = logitserve::reference::TopK(la, 1);
-            wrong += Wrong(result.top_k_logprobs[r * 64], top[0].logprob);
+          if (!result.top_k_ids.empty()) {  // every entry's log-probability, best first
+            const size_t k = static_cast<size_t>(job.top_k);
+            const auto top = logitserve::reference::TopK(la, static_cast<int>(k));
+            for (size_t j = 0; j < k; ++j)
+              wrong += Wrong(result.top_k_logprobs[r * k + j], top[j].logprob);
           }
           if (!result.forward_kl.empty())
             wrong += Wrong(result.forward_kl[r], logitserve::reference::Kl(lb, la));
@@ -412,10 +415,34 @@ int main(int argc, char** argv) {
             "%-6s kernels alone: single stats %.3f ms (%.2f x one read), pair stats %.3f ms "
             "(%.2f x two reads), pair fold + outputs %.3f ms\n",
             dname.c_str(), single_ms, single_ms / one_read, pair_ms, pair_ms / two_reads, fold_ms);
+        // Statistics + top-k (one read, topk_kernel.cu), counts cleared first as the backend does.
+        double topk_ms[2] = {0.0, 0.0};
+        const int32_t topk_k[2] = {64, 1024};
+        for (int i = 0; i < 2; ++i) {
+          const int32_t kk = topk_k[i];
+          auto* lists = static_cast<logitserve::kernels::TopKEntry*>(
+              DeviceAlloc(static_cast<size_t>(rows * kk) * sizeof(logitserve::kernels::TopKEntry)));
+          auto* counts = static_cast<int32_t*>(DeviceAlloc(static_cast<size_t>(rows) * 4));
+          auto* scratch = static_cast<float*>(DeviceAlloc(kc::TopKScratchBytes(rows, blocks)));
+          topk_ms[i] = BestEventMs(stream, 2, iters, [&] {
+            CHECK_CUDA(cudaMemsetAsync(counts, 0, static_cast<size_t>(rows) * 4, stream));
+            CHECK_CUDA(kc::LaunchBlockStatsTopK(sa, nullptr, rows, records, blocks, 0, kk, lists,
+                                                counts, scratch, stream));
+          });
+          cudaFree(lists);
+          cudaFree(counts);
+          cudaFree(scratch);
+        }
+        std::printf(
+            "%-6s kernels alone: stats + top-k 64 %.3f ms (%.2f x one read), stats + top-k 1024 "
+            "%.3f ms (%.2f x one read)\n",
+            dname.c_str(), topk_ms[0], topk_ms[0] / one_read, topk_ms[1], topk_ms[1] / one_read);
         out["kernels"].push_back({{"dtype", dname},
                                   {"single_stats_ms", single_ms},
                                   {"pair_stats_ms", pair_ms},
                                   {"fold_ms", fold_ms},
+                                  {"stats_topk64_ms", topk_ms[0]},
+                                  {"stats_topk1024_ms", topk_ms[1]},
                                   {"one_read_ms", one_read},
                                   {"two_reads_ms", two_reads}});
         cudaFree(records);

@@ -61,6 +61,10 @@ def topk(z, k=64):
     return torch.log_softmax(z.float(), dim=-1).topk(k, dim=-1)
 
 
+def topk1024(z):
+    return topk(z, 1024)
+
+
 def kl_both(z_model, z_ref):
     lm = torch.log_softmax(z_model.float(), dim=-1)
     lr = torch.log_softmax(z_ref.float(), dim=-1)
@@ -118,6 +122,7 @@ def main():
         ("logprobs", 1, lambda f: f(a, ids), logprobs),
         ("entropy", 1, lambda f: f(a), entropy),
         ("top_k=64", 1, lambda f: f(a), topk),
+        ("top_k=1024", 1, lambda f: f(a), topk1024),
         ("kl (fwd+rev)", 2, lambda f: f(a, b), kl_both),
         ("jsd(0.5)", 2, lambda f: f(a, b), jsd),
     ]

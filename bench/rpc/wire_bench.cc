@@ -15,6 +15,11 @@
 //   shm         wall time of one Score reading the same bytes from POSIX shared memory (the
 //               server must run on this host; --no-shm skips it); shm / compute <= 1.1 meets
 //               target 3.
+// CPU time (noise-robust beside wall times on a shared machine): with --server-pid (the server
+// on this host), the server's CPU ms per request (user + system, /proc/PID/stat) of the single
+// pipelined, the unsplit and the shared-memory request; the bytes' cost on the server is
+// srv_piped - srv_shm (same compute, no tensor bytes). cli_piped: this process's CPU ms per
+// pipelined request (getrusage).
 // Correctness: every response must hold N log-probs and N entropies, and the pipelined and
 // shared-memory results must equal the unsplit one bit for bit; mismatches count as `wrong`
 // (exit 1 when any).
@@ -22,6 +27,7 @@
 //   logitserve-wire-bench --target 127.0.0.1:50051 --head policy --rows 64,1024,8192 [--json F]
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,7 +37,9 @@
 #include <cstring>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,6 +90,29 @@ Inputs MakeInputs(int64_t rows, int64_t hidden, int64_t vocab) {
   return in;
 }
 
+// CPU ms (user + system) of process `pid` so far (-1 when unreadable), or of this process when
+// pid == 0.
+double CpuMs(int pid) {
+  if (pid == 0) {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 +
+           (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
+  }
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(close + 2));
+  std::string f;
+  long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i == 14) utime = std::stoll(f);
+    if (i == 15) stime = std::stoll(f);
+  }
+  return (utime + stime) * 1e3 / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 v1::ScoreRequest BaseRequest(const std::string& head) {
   v1::ScoreRequest req;
   req.set_head(head);
@@ -122,6 +153,9 @@ int main(int argc, char** argv) {
                  "Client pipelining: streams (connections)")
       ->capture_default_str();
   app.add_option("--token", token, "Bearer token");
+  int server_pid = 0;
+  app.add_option("--server-pid", server_pid,
+                 "The server's process id (same host): report its CPU ms per request");
   app.add_flag("--no-shm", no_shm, "Skip the shared-memory measurement (server on another host)");
   app.add_option("--json", json_path, "Also write the results as JSON");
   CLI11_PARSE(app, argc, argv);
@@ -179,9 +213,10 @@ int main(int argc, char** argv) {
       heads->backend.c_str(), head.c_str(), static_cast<long long>(vocab),
       static_cast<long long>(hidden), static_cast<long long>(piped_options.pipeline_chunk_bytes),
       piped_options.pipeline_depth, piped_options.pipeline_streams, iters, rate_seconds);
-  std::printf("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s\n", "rows", "MiB",
-              "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms", "unpiped_ms",
-              "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong");
+  std::printf("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s %10s %9s %9s %9s\n",
+              "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
+              "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong", "srv_unpiped",
+              "srv_piped", "srv_shm", "cli_piped");
   nlohmann::json results = nlohmann::json::array();
   int64_t total_wrong = 0;
   for (int64_t rows : rows_list) {
@@ -210,14 +245,24 @@ int main(int argc, char** argv) {
     absl::StatusOr<lc::ScoreOutput> reference = (*unpiped)->Score(req);  // also warms up
     check(reference);
     std::vector<double> compute_ms, unpiped_ms, single_ms, transfer_ms, shm_ms;
+    // CPU ms per request of the server (srv_*) and of this process (cli_piped); -1 = not measured.
+    double srv_unpiped = -1, srv_piped = -1, srv_shm = -1, cli_piped = -1;
+    auto cpu_per_request = [&](int pid, double start) {
+      return pid < 0 ? -1.0 : (CpuMs(pid) - start) / iters;
+    };
+    const int srv = server_pid > 0 ? server_pid : -1;
+    double srv0 = srv > 0 ? CpuMs(srv) : 0;
     for (int i = 0; i < iters; ++i) {
       const Clock::time_point t0 = Clock::now();
       absl::StatusOr<lc::ScoreOutput> out = (*unpiped)->Score(req);
       unpiped_ms.push_back(MsSince(t0));
       if (check(out)) compute_ms.push_back(out->compute_us / 1e3);
     }
+    srv_unpiped = cpu_per_request(srv, srv0);
     // One pipelined request.
     (void)(*piped)->Score(req);
+    srv0 = srv > 0 ? CpuMs(srv) : 0;
+    const double cli0 = CpuMs(0);
     for (int i = 0; i < iters; ++i) {
       const Clock::time_point t0 = Clock::now();
       absl::StatusOr<lc::ScoreOutput> out = (*piped)->Score(req);
@@ -228,6 +273,8 @@ int main(int argc, char** argv) {
         ++wrong;
       }
     }
+    srv_piped = cpu_per_request(srv, srv0);
+    cli_piped = cpu_per_request(0, cli0);
     // The raw transfer of the same request bytes (reply: a response-sized message).
     v1::ScoreResponse sample;
     if (reference.ok()) {
@@ -270,6 +317,7 @@ int main(int argc, char** argv) {
         *by_shm.mutable_target_ids() =
             lc::SharedMemoryTensor(name, hidden_bytes, v1::DATA_TYPE_INT32, {rows});
         (void)(*unpiped)->Score(by_shm);
+        srv0 = srv > 0 ? CpuMs(srv) : 0;
         for (int i = 0; i < iters; ++i) {
           const Clock::time_point t0 = Clock::now();
           absl::StatusOr<lc::ScoreOutput> out = (*unpiped)->Score(by_shm);
@@ -278,6 +326,7 @@ int main(int argc, char** argv) {
             ++wrong;
           }
         }
+        srv_shm = cpu_per_request(srv, srv0);
         if (!(*unpiped)->UnregisterSharedMemory(name).ok()) ++wrong;
       }
     }
@@ -311,10 +360,10 @@ int main(int argc, char** argv) {
     const double single_ratio = s_ms / std::max(c_ms, x_ms);
     std::printf(
         "%6lld %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11.3f %7.3f %8.3f %7.3f "
-        "%6lld\n",
+        "%6lld %11.1f %9.1f %9.1f %9.1f\n",
         static_cast<long long>(rows), mib, c_ms, compute_rate, e2e_rate, threads,
         e2e_rate / compute_rate, s_ms, u_ms, x_ms, single_ratio, m_ms, no_shm ? 0.0 : m_ms / c_ms,
-        static_cast<long long>(wrong.load()));
+        static_cast<long long>(wrong.load()), srv_unpiped, srv_piped, srv_shm, cli_piped);
     std::fflush(stdout);
     results.push_back(
         {{"rows", rows},
@@ -330,7 +379,11 @@ int main(int argc, char** argv) {
          {"single_over_max_compute_transfer", single_ratio},
          {"shm_ms", no_shm ? nlohmann::json() : nlohmann::json(m_ms)},
          {"shm_over_compute", no_shm ? nlohmann::json() : nlohmann::json(m_ms / c_ms)},
-         {"wrong", wrong.load()}});
+         {"wrong", wrong.load()},
+         {"server_cpu_ms_unpipelined", srv_unpiped},
+         {"server_cpu_ms_pipelined", srv_piped},
+         {"server_cpu_ms_shm", srv_shm},
+         {"client_cpu_ms_pipelined", cli_piped}});
     total_wrong += wrong.load();
   }
   std::printf("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)\n");

@@ -188,7 +188,7 @@ __device__ __forceinline__ void LoadLaneBlock(const DeviceSource& s, int64_t row
 // The rest of TransformOne after the zero fix, out of line: inlined 128 times into a pair kernel
 // (with its tanhf and divisions) it made the code too large for the instruction cache, and the
 // hidden-mode statistics ran at 40 cycles per instruction (Nsight Compute, H200).
-__device__ __noinline__ float TransformTail(const LoadTransform& t, int64_t c, float x) {
+static __device__ __noinline__ float TransformTail(const LoadTransform& t, int64_t c, float x) {
   if (t.head) {
     if (t.bias != nullptr) x = x + t.bias[c];
     if (t.scale != 1.0f) x = t.divide_by_scale ? x / t.scale : x * t.scale;

@@ -1,25 +1,67 @@
-// Running top-k per row. One CTA per row walks the source's blocks in order; for each block:
-//   1. every thread keeps those of its 8 values that beat the list's current k-th entry (all of
-//      them while the list holds fewer than k) as candidates in shared memory;
-//   2. the candidates are padded to a power of two with sentinels and bitonic-sorted, best first;
-//   3. the list and the candidates are merged by rank: an entry's place in the merged list is its
-//      index in its own list plus the number of entries of the other list that are Better than it
-//      (a binary search). Better is a strict total order on (value, id) and ids are distinct, so
-//      places are unique and the first k form the new list.
-// Candidates are appended with a shared atomic counter, in no particular order; the sort makes the
-// result independent of that order, and the strict order makes the final top-k unique, whatever
-// the block order or shard layout.
+// Running top-k per row from one read of the logits.
+//
+//   1. The (row, block) kernel that computes the block statistics (block_items.cuh: a warp per
+//      block, the records' bits unchanged) also writes every lane's maximum (128 bytes per 4 KB
+//      block) to a scratch array. A lane's maximum is one of its 64 values, so the k-th largest of
+//      a row's 32 * blocks lane maxima is at most the row's k-th largest value: a threshold T that
+//      every member of the top-k reaches, and that only the values of the (about k) lanes whose
+//      maximum reaches T can reach.
+//   2. A small CTA per row finds T (radix select over the lane maxima), loads the 64 values of
+//      each lane that reaches it again (128 bytes each: about k of the row's 32 * blocks lanes)
+//      and keeps each value >= T, with its id, as a candidate in shared memory.
+//   3. An exact radix select on a 64-bit key that orders like Better (value, then the smaller id)
+//      picks the k best of the candidates and of the running list; a bitonic sort orders them.
+// The previous design (a CTA per row offering block after block to a sorted list: a bitonic sort
+// and a merge per 2048 ids) ran at 20x one read. A first version of this one fused steps 1-3 into
+// a CTA per row: 3 CTAs per SM, each spending half its time in the selection, left DRAM 30 % busy
+// (Nsight Compute, 0.89 ms for k = 64); separating step 1 gives it the statistics kernel's rate.
+//
+// Rows the threshold cannot serve go to the previous kernel, kept below as the exact fallback,
+// flagged by a negative count: candidates overflowing the buffer (heavy ties at T), or fewer than k
+// finite candidates (a mostly masked row, whose list -inf entries fill by id). Both kernels give
+// the unique top-k of the strict total order Better, so the result does not depend on which one
+// served a row, on the order blocks are seen in, or on the shard layout.
+#include <algorithm>
 #include <climits>
 
-#include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/block_items.cuh"
 
 namespace logitserve::kernels::cuda {
 namespace {
 
 using detail::DeviceSource;
 
+// Threads of the selection CTA (one CTA per row).
+constexpr int kSelectThreads = 128;
+// Candidates a row may collect in shared memory: without ties at T, the k lanes that reach it hold
+// at most 64 k values; normal logits in bf16 give about 1.1 k (k = 64) to 2.3 k (k = 1024).
+constexpr int kMaxCandidates = 4096;
+int CandidateCap(int32_t k) { return k <= 64 ? 512 : (k <= 256 ? 1024 : kMaxCandidates); }
+// Candidates up to which the selection ranks by counting (n^2 / kSelectThreads key compares a
+// thread) rather than by radix select and bitonic sort.
+constexpr int kRankByCount = 512;
+// Lanes reaching the threshold a row may list (about k; more only with ties at T).
+constexpr int kMaxItems = 2048;
+// Blocks a source may have for the selection kernel (their lane maxima are staged in shared
+// memory: 128 bytes a block); longer sources go to the fallback for every row.
+constexpr int64_t kMaxSelectBlocks = 512;
+// Radix select: 8-bit digits.
+constexpr int kRadixBins = 256;
+
 // Ranks after every real entry (also -inf ones, whose ids are smaller).
 __device__ __forceinline__ TopKEntry Sentinel() { return TopKEntry{detail::NegInfF(), INT_MAX}; }
+
+// Unsigned bits ordered like the floats (for non-NaN values; -0 counts as +0, as in Better).
+__device__ __forceinline__ uint32_t OrderedBits(float v) {
+  const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A key ordered like Better: the value's ordered bits, then the smaller id. Ids are >= 0.
+__device__ __forceinline__ uint64_t KeyOf(const TopKEntry& e) {
+  return (static_cast<uint64_t>(OrderedBits(e.value)) << 32) |
+         static_cast<uint32_t>(INT_MAX - e.id);
+}
 
 // Number of entries of sorted list[0, n) that are Better than x.
 __device__ __forceinline__ int CountBetter(const TopKEntry* list, int n, const TopKEntry& x) {
@@ -55,9 +97,271 @@ __device__ void BitonicSortBestFirst(TopKEntry* s, int n) {
   }
 }
 
+// What the CTA agrees on after each radix pass (written by one thread, read by all).
+struct RadixShared {
+  int hist[kRadixBins];
+  int digit;
+  int above;  // keys of the current prefix group with a larger digit
+  int count;  // keys of the current prefix group with this digit
+};
+
+// The k best (largest) of n keys, 1 <= k <= n, key(i) for i < n, zero above bit `top_bit` + 8,
+// digits from bit `top_bit` down to bit `last_bit`: returns (prefix, shift) such that the keys with
+// key >> shift >= prefix >> shift are the k largest when the keys are distinct in their bits above
+// last_bit (otherwise a superset: every key that ties the k-th above last_bit). With `stop_early`,
+// stops at the first digit whose group is taken whole (still exact as a selection). Called by
+// every thread of the CTA; the result is uniform.
+template <typename KeyAt>
+__device__ void RadixSelect(int n, int k, int top_bit, int last_bit, bool stop_early, KeyAt key_at,
+                            RadixShared* sh, uint64_t* prefix_out, int* shift_out) {
+  uint64_t prefix = 0;
+  int remaining = k;
+  for (int shift = top_bit; shift >= last_bit; shift -= 8) {
+    for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh->hist[i] = 0;
+    __syncthreads();
+    const uint64_t group_mask = shift + 8 >= 64 ? 0 : (~0ull << (shift + 8));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t key = key_at(i);
+      if ((key & group_mask) == prefix) {
+        atomicAdd(&sh->hist[static_cast<int>(key >> shift) & (kRadixBins - 1)], 1);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane l holds digits 255 - 8 l down to 248 - 8 l: lanes in order visit digits largest first.
+      const int lane = threadIdx.x;
+      int c[8], mine = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = sh->hist[kRadixBins - 1 - 8 * lane - j];
+        mine += c[j];
+      }
+      int incl = mine;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(detail::kFullMask, incl, off);
+        if (lane >= off) incl += y;
+      }
+      int above = incl - mine;
+      if (above < remaining && remaining <= incl) {  // exactly one lane
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (above + c[j] >= remaining) {
+            sh->digit = kRadixBins - 1 - 8 * lane - j;
+            sh->above = above;
+            sh->count = c[j];
+            break;
+          }
+          above += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= static_cast<uint64_t>(sh->digit) << shift;
+    remaining -= sh->above;
+    if ((stop_early && sh->count == remaining) || shift == last_bit) {
+      *prefix_out = prefix;
+      *shift_out = shift;
+      return;
+    }
+    // sh is written again only after the next pass's two barriers: every thread has read it.
+  }
+}
+
+// Step 1's per-block work: the statistics record (kStats) and the lanes' maxima.
+template <bool kStats>
+struct LaneMaxOp {
+  detail::StatsOp stats;
+  float* lane_max;  // [rows][blocks * 32]
+  int64_t lane_ld;  // blocks * 32
+  template <FloatType T>
+  __device__ __forceinline__ void operator()(const DeviceSource& a, int64_t row, int64_t blk,
+                                             int lane, detail::LaneBlock<T>& v) const {
+    if constexpr (kStats) {
+      stats(a, row, blk, lane, v);  // transforms fp32 words in place, as TransformInPlace does
+    } else {
+      detail::TransformInPlace(a, blk * kVocabBlock, lane, v);
+    }
+    lane_max[row * lane_ld + blk * 32 + lane] = detail::LaneMax(a, v);
+  }
+};
+
+struct alignas(16) SelectShared {
+  RadixShared radix;
+  int num_cand;
+  int num_best;
+  int num_items;
+};
+
+// Dynamic shared memory: SelectShared, the candidates, the k best, the lane maxima's keys, the list
+// of lanes that reach the threshold.
+size_t SelectSharedBytes(int64_t blocks, int32_t k) {
+  int padded = 1;
+  while (padded < k) padded <<= 1;
+  const int64_t maxima = blocks * 32;
+  return sizeof(SelectShared) + static_cast<size_t>(maxima) * sizeof(uint32_t) +
+         static_cast<size_t>(std::min<int64_t>(maxima, kMaxItems)) * sizeof(int) +
+         static_cast<size_t>(CandidateCap(k) + padded) * sizeof(TopKEntry);
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    TopKSelectKernel(DeviceSource a, int64_t col0, int64_t blocks, const float* lane_max, int32_t k,
+                     int cap, TopKEntry* lists, int32_t* counts) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
+  const int maxima = static_cast<int>(blocks * 32);
+  TopKEntry* cand = reinterpret_cast<TopKEntry*>(smem_raw + sizeof(SelectShared));
+  int padded = 1;
+  while (padded < k) padded <<= 1;
+  TopKEntry* best = cand + cap;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(best + padded);
+  int* items = reinterpret_cast<int*>(keys + maxima);
+  const int64_t row = blockIdx.x;
+  const int count = counts[row];
+  TopKEntry* global_list = lists + row * k;
+  const float* row_max = lane_max + row * maxima;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < maxima; i += blockDim.x) keys[i] = OrderedBits(__ldg(row_max + i));
+  if (threadIdx.x == 0) sh.num_cand = 0, sh.num_best = 0, sh.num_items = 0;
+  __syncthreads();
+
+  // The threshold: the k-th largest lane maximum when there are k of them, raised to the list's
+  // worst entry when the list is full (a value below it cannot enter).
+  const uint32_t ninf = OrderedBits(detail::NegInfF());
+  uint32_t threshold = 0;
+  if (maxima >= k) {
+    uint64_t prefix;
+    int shift;
+    // The top 16 bits only (two passes): exact for 16-bit inputs, whose values have no more, and a
+    // slightly lower threshold (a few more candidates) for fp32.
+    RadixSelect(
+        maxima, k, 24, 16, /*stop_early=*/false,
+        [&](int i) { return static_cast<uint64_t>(keys[i]); }, &sh.radix, &prefix, &shift);
+    threshold = static_cast<uint32_t>(prefix);
+  }
+  if (count == k) threshold = max(threshold, OrderedBits(global_list[k - 1].value));
+  threshold = max(threshold, ninf + 1);  // masked tokens are never candidates
+
+  // 2. The lanes that reach the threshold offer their 64 values. First a list of those lanes, then
+  // a warp per lane, four lanes in flight: thread t loads values 2 (t % 4) and 2 (t % 4) + 1 of
+  // the lane's chunk t / 4 (TransformOne: the operations of TransformInPlace, so the same bits),
+  // and the warp appends its hits with one atomic. (A thread per lane left 9.8 of 32 threads
+  // active and took 0.47 ms for k = 64; a warp per lane, one lane at a time, 0.26 ms.)
+  const int warp = threadIdx.x >> 5;
+  const int t = threadIdx.x & 31;
+  const unsigned below = (1u << t) - 1;
+  const int item_cap = min(maxima, kMaxItems);
+  for (int64_t blk = warp; blk < blocks; blk += kSelectThreads / 32) {
+    const bool hit = keys[blk * 32 + t] >= threshold;
+    const unsigned m = __ballot_sync(detail::kFullMask, hit);
+    int base = 0;
+    if (t == 0 && m != 0) base = atomicAdd(&sh.num_items, __popc(m));
+    base = __shfl_sync(detail::kFullMask, base, 0);
+    const int i = base + __popc(m & below);
+    if (hit && i < item_cap) items[i] = static_cast<int>(blk * 32 + t);
+  }
+  __syncthreads();
+  const int num_items = sh.num_items;
+  if (num_items > item_cap) {                          // uniform: heavy ties at T
+    if (threadIdx.x == 0) counts[row] = -(count + 1);  // left to the fallback
+    return;
+  }
+  constexpr int kInFlight = 4;
+  for (int i0 = warp * kInFlight; i0 < num_items; i0 += kSelectThreads / 32 * kInFlight) {
+    float z[kInFlight][2];
+    int64_t c[kInFlight];
+#pragma unroll
+    for (int q = 0; q < kInFlight; ++q) {
+      c[q] = 0;
+      z[q][0] = z[q][1] = detail::NegInfF();
+      if (i0 + q < num_items) {  // uniform over the warp
+        const int item = items[i0 + q];
+        c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (t >> 2) * 256 + (item & 31) * 8 +
+               (t & 3) * 2;
+        z[q][0] = detail::LoadOne(a, row, c[q]);
+        z[q][1] = detail::LoadOne(a, row, c[q] + 1);
+      }
+    }
+    unsigned h[kInFlight][2];
+    int total = 0;
+#pragma unroll
+    for (int q = 0; q < kInFlight; ++q) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        h[q][e] = __ballot_sync(detail::kFullMask, OrderedBits(z[q][e]) >= threshold);
+        total += __popc(h[q][e]);
+      }
+    }
+    int base = 0;
+    if (t == 0 && total != 0) base = atomicAdd(&sh.num_cand, total);
+    base = __shfl_sync(detail::kFullMask, base, 0);
+#pragma unroll
+    for (int q = 0; q < kInFlight; ++q) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = base + __popc(h[q][e] & below);
+        if (((h[q][e] >> t) & 1) && i < cap) {
+          cand[i] = TopKEntry{z[q][e], static_cast<int32_t>(col0 + c[q] + e)};
+        }
+        base += __popc(h[q][e]);
+      }
+    }
+  }
+  __syncthreads();
+  const int fresh = sh.num_cand;
+  // (A NaN ranks by its bits here; such a row fails anyway, and nothing overflows or hangs.)
+  if (fresh + count > cap || fresh + count < k) {
+    if (threadIdx.x == 0) counts[row] = -(count + 1);  // left to the fallback
+    return;
+  }
+  for (int i = threadIdx.x; i < count; i += blockDim.x) cand[fresh + i] = global_list[i];
+  __syncthreads();
+
+  // 3. The k best of candidates and list, in order. Few candidates: each one's place is the number
+  // of keys above it (keys are distinct), which selects and sorts at once. Many: a radix select of
+  // the k best, then a bitonic sort.
+  const int n = fresh + count;
+  if (n <= kRankByCount) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const TopKEntry e = cand[i];
+      const uint64_t key = KeyOf(e);
+      int place = 0;
+      for (int j = 0; j < n; ++j) place += KeyOf(cand[j]) > key ? 1 : 0;
+      if (place < k) best[place] = e;
+    }
+    __syncthreads();
+  } else {
+    uint64_t prefix;
+    int shift;
+    RadixSelect(
+        n, k, 56, 0, /*stop_early=*/true, [&](int i) { return KeyOf(cand[i]); }, &sh.radix, &prefix,
+        &shift);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const TopKEntry e = cand[i];
+      if ((KeyOf(e) >> shift) >= (prefix >> shift)) best[atomicAdd(&sh.num_best, 1)] = e;
+    }
+    for (int i = k + threadIdx.x; i < padded; i += blockDim.x) best[i] = Sentinel();
+    __syncthreads();
+    BitonicSortBestFirst(best, padded);
+  }
+  for (int i = threadIdx.x; i < k; i += blockDim.x) global_list[i] = best[i];
+  if (threadIdx.x == 0) counts[row] = k;
+}
+
+// The exact fallback: one CTA per row walks the source's blocks in order; for each block:
+//   1. every thread keeps those of its 8 values that beat the list's current k-th entry (all of
+//      them while the list holds fewer than k) as candidates in shared memory;
+//   2. the candidates are padded to a power of two with sentinels and bitonic-sorted, best first;
+//   3. the list and the candidates are merged by rank: an entry's place in the merged list is its
+//      index in its own list plus the number of entries of the other list that are Better than it
+//      (a binary search). Better is a strict total order on (value, id) and ids are distinct, so
+//      places are unique and the first k form the new list.
+// Candidates are appended with a shared atomic counter, in no particular order; the sort makes the
+// result independent of that order. With `only_flagged`, rows whose count is >= 0 (served by the
+// fused kernel) are skipped and a flagged count -(c + 1) means c entries.
 __global__ void __launch_bounds__(kBlockThreads)
-    TopKUpdateKernel(DeviceSource a, int64_t col0, int64_t blocks, int32_t k, TopKEntry* lists,
-                     int32_t* counts) {
+    TopKMergeKernel(DeviceSource a, int64_t col0, int64_t blocks, int32_t k, TopKEntry* lists,
+                    int32_t* counts, bool only_flagged) {
   __shared__ TopKEntry list[kMaxTopK];
   __shared__ TopKEntry merged[kMaxTopK];
   __shared__ TopKEntry cand[kVocabBlock];
@@ -66,6 +370,10 @@ __global__ void __launch_bounds__(kBlockThreads)
   __shared__ int num_cand[2];
   const int64_t row = blockIdx.x;
   int count = counts[row];
+  if (only_flagged) {
+    if (count >= 0) return;  // uniform over the CTA
+    count = -count - 1;
+  }
   TopKEntry* global_list = lists + row * k;
   for (int i = threadIdx.x; i < count; i += blockDim.x) list[i] = global_list[i];
   if (threadIdx.x == 0) num_cand[0] = num_cand[1] = 0;
@@ -112,15 +420,78 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (threadIdx.x == 0) counts[row] = count;
 }
 
+// Step 1 (with the statistics when `stats` is set), step 2-3, and the fallback for flagged rows.
+cudaError_t LaunchTopK(const LogitsSource& a, int64_t rows, const detail::StatsOp* stats, int32_t k,
+                       TopKEntry* lists, int32_t* counts, float* lane_max, cudaStream_t stream) {
+  const int64_t blocks = a.blocks();
+  const DeviceSource da = detail::MakeDeviceSource(a);
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (blocks > kMaxSelectBlocks || detail::GridTooLarge(rows, blocks)) {
+    if (stats != nullptr) {
+      const cudaError_t err = LaunchBlockStats(a, nullptr, rows, stats->stats, stats->stats_ld,
+                                               stats->stats_offset, stream);
+      if (err != cudaSuccess) return err;
+    }
+    TopKMergeKernel<<<grid, kBlockThreads, 0, stream>>>(da, a.col0, blocks, k, lists, counts,
+                                                        /*only_flagged=*/false);
+    return cudaGetLastError();
+  }
+  const int64_t pairs = rows * blocks;
+  const size_t smem = SelectSharedBytes(blocks, k);
+  cudaError_t err = cudaSuccess;
+  detail::WithType(a.type, [&](auto ta) {
+    constexpr FloatType T = decltype(ta)::value;
+    if (stats != nullptr) {
+      err = detail::LaunchItems<T, T, false>(
+          da, da, blocks, pairs, LaneMaxOp<true>{*stats, lane_max, blocks * 32}, stream);
+    } else {
+      err = detail::LaunchItems<T, T, false>(
+          da, da, blocks, pairs, LaneMaxOp<false>{detail::StatsOp{}, lane_max, blocks * 32},
+          stream);
+    }
+  });
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kMaxTopK)));
+  if (err != cudaSuccess) return err;
+  TopKSelectKernel<<<grid, kSelectThreads, smem, stream>>>(da, a.col0, blocks, lane_max, k,
+                                                           CandidateCap(k), lists, counts);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  TopKMergeKernel<<<grid, kBlockThreads, 0, stream>>>(da, a.col0, blocks, k, lists, counts,
+                                                      /*only_flagged=*/true);
+  return cudaGetLastError();
+}
+
+bool TopKArgsValid(const LogitsSource& a, int64_t rows, int32_t k) {
+  return k <= kMaxTopK && rows <= INT_MAX && detail::Supported(a);
+}
+
 }  // namespace
 
+size_t TopKScratchBytes(int64_t rows, int64_t blocks) {
+  return static_cast<size_t>(rows) * static_cast<size_t>(blocks) * 32 * sizeof(float);
+}
+
 cudaError_t LaunchTopKUpdate(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
-                             int32_t* counts, cudaStream_t stream) {
+                             int32_t* counts, float* scratch, cudaStream_t stream) {
   if (rows <= 0 || k <= 0 || a.cols <= 0) return cudaSuccess;
-  if (k > kMaxTopK || rows > INT_MAX) return cudaErrorInvalidValue;
-  TopKUpdateKernel<<<static_cast<unsigned>(rows), kBlockThreads, 0, stream>>>(
-      detail::MakeDeviceSource(a), a.col0, a.blocks(), k, lists, counts);
-  return cudaGetLastError();
+  if (!TopKArgsValid(a, rows, k)) return cudaErrorInvalidValue;
+  return LaunchTopK(a, rows, nullptr, k, lists, counts, scratch, stream);
+}
+
+cudaError_t LaunchBlockStatsTopK(const LogitsSource& a, const LogitsSource* b, int64_t rows,
+                                 PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
+                                 int32_t k, TopKEntry* lists, int32_t* counts, float* scratch,
+                                 cudaStream_t stream) {
+  if (b != nullptr || k <= 0) {  // pairs: the statistics kernel, then the top-k of `a`
+    const cudaError_t err = LaunchBlockStats(a, b, rows, stats, stats_ld, stats_offset, stream);
+    if (err != cudaSuccess) return err;
+    return LaunchTopKUpdate(a, rows, k, lists, counts, scratch, stream);
+  }
+  if (rows <= 0 || a.cols <= 0) return cudaSuccess;
+  if (!TopKArgsValid(a, rows, k)) return cudaErrorInvalidValue;
+  const detail::StatsOp op{stats, stats_ld, stats_offset};
+  return LaunchTopK(a, rows, &op, k, lists, counts, scratch, stream);
 }
 
 }  // namespace logitserve::kernels::cuda

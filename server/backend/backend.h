@@ -92,7 +92,8 @@ struct ShardRange {
   int64_t end = 0;
 };
 
-// Sizes every requested output of `result` for `job` (the others empty), and checks the limits
+// Sizes every requested output of `result` for `job` (the others empty; a reused result's values
+// are left as they were, for the backend to overwrite every one), and checks the limits
 // every backend shares (top_k <= vocab and <= kernels::kMaxTopK). Backends call it first.
 absl::Status StartResult(const ScoreJob& job, ScoreResult* result);
 

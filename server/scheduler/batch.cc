@@ -20,23 +20,23 @@ bool SameDistribution(const DistributionInput& a, const DistributionInput& b) {
 
 // Concatenates the rows of one input (hidden or logits, whichever `pick` selects) of every part.
 MatrixView Concatenate(const std::vector<const ScoreJob*>& parts,
-                       const MatrixView& (*pick)(const ScoreJob&), std::vector<std::byte>* out) {
+                       const MatrixView& (*pick)(const ScoreJob&), StagingBytes* out) {
   const MatrixView& first = pick(*parts.front());
   if (first.empty()) return first;
   const size_t row_bytes = static_cast<size_t>(first.cols) * kernels::SizeOf(first.type);
   int64_t rows = 0;
   for (const ScoreJob* p : parts) rows += pick(*p).rows;
-  out->resize(static_cast<size_t>(rows) * row_bytes);
+  std::byte* data = out->Reserve(static_cast<size_t>(rows) * row_bytes);
   size_t offset = 0;
   for (const ScoreJob* p : parts) {
     const MatrixView& v = pick(*p);
     const size_t bytes = static_cast<size_t>(v.rows) * row_bytes;
-    if (bytes > 0) std::memcpy(out->data() + offset, v.data, bytes);
+    if (bytes > 0) std::memcpy(data + offset, v.data, bytes);
     offset += bytes;
   }
   MatrixView merged = first;
   merged.rows = rows;
-  merged.data = out->data();
+  merged.data = data;
   return merged;
 }
 

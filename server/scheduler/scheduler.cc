@@ -148,10 +148,12 @@ std::vector<std::unique_ptr<Scheduler::Queued>> Scheduler::TakeBatch() {
 }
 
 void Scheduler::WorkerLoop() {
+  MergedInputs staging;  // reused by every batch this worker merges
   while (true) {
     std::vector<std::unique_ptr<Queued>> batch = TakeBatch();
     if (batch.empty()) return;
-    RunBatch(std::move(batch));
+    RunBatch(std::move(batch), &staging);
+    staging.Trim();
   }
 }
 
@@ -178,7 +180,7 @@ void Scheduler::Finish(Queued& q, absl::Status status, ScoreResult result, const
   --items_in_flight_;
 }
 
-void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch) {
+void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch, MergedInputs* staging) {
   Timing timing;
   timing.started = Clock::now();
   const auto finish_now = [&](Queued& q, absl::Status status) {
@@ -199,11 +201,10 @@ void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch) {
     }
     return;
   }
-  // Stopped (cancelled / expired) items are never launched; failed prechecks fail alone.
+  // Stopped (cancelled / expired) items are never launched.
   std::vector<Queued*> members;
   for (auto& q : batch) {
     absl::Status s = q->item.stop ? q->item.stop() : absl::OkStatus();
-    if (s.ok() && q->item.precheck) s = q->item.precheck(q->item.job);
     if (!s.ok()) {
       finish_now(*q, std::move(s));
     } else {
@@ -213,7 +214,7 @@ void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch) {
   if (members.empty()) return;
   std::vector<absl::Status> status(members.size());
   std::vector<ScoreResult> results(members.size());
-  Compute(members, &status, &results);
+  Compute(members, &status, &results, staging);
   const bool failed =
       std::any_of(status.begin(), status.end(), [](const absl::Status& s) { return !s.ok(); });
   if (failed && BackendFailed()) {
@@ -241,7 +242,7 @@ void Scheduler::RunBatch(std::vector<std::unique_ptr<Queued>> batch) {
 }
 
 void Scheduler::Compute(const std::vector<Queued*>& members, std::vector<absl::Status>* status,
-                        std::vector<ScoreResult>* results) {
+                        std::vector<ScoreResult>* results, MergedInputs* staging) {
   const auto run_alone = [&](size_t i) {
     ScoreJob& job = members[i]->item.job;
     if (members[i]->item.stop) {
@@ -256,8 +257,7 @@ void Scheduler::Compute(const std::vector<Queued*>& members, std::vector<absl::S
   std::vector<const ScoreJob*> parts;
   parts.reserve(members.size());
   for (const Queued* q : members) parts.push_back(&q->item.job);
-  MergedInputs storage;
-  ScoreJob merged = MergeJobs(parts, &storage);
+  ScoreJob merged = MergeJobs(parts, staging);
   // The batch goes on while any member still wants its result.
   merged.stop = [&members](int64_t) -> absl::Status {
     absl::Status first;

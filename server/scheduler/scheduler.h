@@ -35,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "server/backend/backend.h"
+#include "server/scheduler/batch.h"
 
 namespace logitserve {
 
@@ -79,9 +80,6 @@ class Scheduler {
     ScoreJob job;  // validated; its views must stay valid until `done` has been called
     // The request's own cancellation / deadline (OK = keep going); may be empty.
     std::function<absl::Status()> stop;
-    // Checks that need the request's bytes (e.g. the hidden-state NaN scan), run on the worker
-    // before batching; a failure fails this item only. May be empty.
-    std::function<absl::Status(const ScoreJob& job)> precheck;
     Done done;
     // Bytes the item makes the server hold beyond EstimateItemBytes(job), counted against the
     // memory budget too: the rest of the request message, outputs the caller derives from the
@@ -127,10 +125,11 @@ class Scheduler {
   void WorkerLoop();
   // Waits for work and removes the next batch from the queue; empty when stopping and drained.
   std::vector<std::unique_ptr<Queued>> TakeBatch();
-  void RunBatch(std::vector<std::unique_ptr<Queued>> batch);
+  // `staging`: the calling worker's reusable buffer for merged inputs (batch.h).
+  void RunBatch(std::vector<std::unique_ptr<Queued>> batch, MergedInputs* staging);
   // Computes `members` as one job (or alone) into per-member statuses and results.
   void Compute(const std::vector<Queued*>& members, std::vector<absl::Status>* status,
-               std::vector<ScoreResult>* results);
+               std::vector<ScoreResult>* results, MergedInputs* staging);
   void Finish(Queued& q, absl::Status status, ScoreResult result, const Timing& timing);
   bool BackendFailed();
 

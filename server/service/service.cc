@@ -151,6 +151,18 @@ int64_t ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Sc
     done(validated.status(), {}, {}, {}, {}, 0);
     return 0;
   }
+  // The NaN / +-inf scan of the hidden states runs here, on the gRPC thread that received the
+  // request, not on a scheduler worker: the receiving threads of many connections (and of the
+  // chunks of a pipelined call) scan in parallel while the workers keep the backend busy. Its
+  // time is reported inside compute_us (it is the server's work on the request's values).
+  const Clock::time_point scan_start = Clock::now();
+  if (absl::Status finite = CheckHiddenStatesFinite(validated->job); !finite.ok()) {
+    spdlog::debug("Score request '{}' rejected: {}", QuoteClientText(request.request_id()),
+                  finite.ToString());
+    done(finite, {}, {}, {}, {}, 0);
+    return 0;
+  }
+  validated->finite_check_us = MicrosBetween(scan_start, Clock::now());
   const int64_t extra_bytes = ExtraHeldBytes(request, *validated);
   // The job moves into the scheduler's item (which hands it back to `done`); the rest of the
   // validated request (sequence lengths, versions) travels with the completion.
@@ -160,7 +172,6 @@ int64_t ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Sc
   const int64_t bytes = Scheduler::ItemBytes(item);
   auto state = std::make_shared<ValidatedRequest>(*std::move(validated));
   item.stop = [context] { return StopStatus(context); };
-  item.precheck = CheckHiddenStatesFinite;
   Metrics* metrics = options_.metrics;
   item.done = [state, done, metrics, leases, bytes, id = QuoteClientText(request.request_id())](
                   absl::Status status, ScoreResult result, const ScoreJob& job,
@@ -215,7 +226,7 @@ void ScorerService::FillResponse(const v1::ScoreRequest& request, const ScoreJob
   out->set_head_version(validated.head_version);
   out->set_reference_head_version(validated.reference_head_version);
   out->set_queue_us(MicrosBetween(timing.enqueued, timing.started));
-  out->set_compute_us(MicrosBetween(timing.started, timing.finished));
+  out->set_compute_us(MicrosBetween(timing.started, timing.finished) + validated.finite_check_us);
 }
 
 grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* context,

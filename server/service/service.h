@@ -1,10 +1,12 @@
 // ScorerService: the logitserve.v1.Scorer RPCs on gRPC's callback API.
 //
 // Score and ScoreStream: the handler (on a gRPC thread) checks the bearer token, validates the
-// request's shapes, ids and options (ValidateScoreRequest) and submits it to the Scheduler (the
+// request's shapes, ids and options (ValidateScoreRequest), scans the hidden states for NaN /
+// +-inf (CheckHiddenStatesFinite: on the receiving thread, so the scans of many connections run
+// in parallel and the workers only drive the backend) and submits it to the Scheduler (the
 // token-budget batcher), then returns; admission is decided at once (RESOURCE_EXHAUSTED when the
-// queue or memory budget is full). A scheduler worker scans the hidden states for NaN / +-inf
-// (CheckHiddenStatesFinite), runs the (possibly co-batched) backend job and finishes the call. The
+// queue or memory budget is full). A scheduler worker runs the (possibly co-batched) backend job
+// and finishes the call. The
 // request stays alive until its result is written, so the job's views into its bytes stay valid
 // (zero copy for requests computed alone). Admission counts every byte a request makes the server
 // hold (held_bytes.h). Cancellation and deadlines are checked before launch and before every row

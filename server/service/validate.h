@@ -5,11 +5,12 @@
 // FAILED_PRECONDITION for a head-version pin that does not match, RESOURCE_EXHAUSTED for a
 // request over the server's size limits. Every message starts with the request field it is about.
 //
-// Two value checks are not done here, so that the handler (on a gRPC thread) never reads the
-// bulk of a request: NaN / +-inf in hidden states is found by CheckHiddenStatesFinite, which the
-// service's worker runs before the backend; NaN / +inf in input logits (and in logits computed
-// from hidden states) is found during the backend's single pass. Both are INVALID_ARGUMENT naming
-// the field and the first bad row.
+// Two value checks are not done here, so that validation never reads the bulk of a request:
+// NaN / +-inf in hidden states is found by CheckHiddenStatesFinite, which the service runs after
+// validation on the thread that received the request (before admission, so the scans of many
+// connections run in parallel beside the backend); NaN / +inf in input logits (and in logits
+// computed from hidden states) is found during the backend's single pass. Both are
+// INVALID_ARGUMENT naming the field and the first bad row.
 //
 // Zero copy: the MatrixViews of the returned job point into `request`'s bytes (or into the
 // shared-memory regions its tensors name), so the request must outlive the job. A reference input
@@ -50,6 +51,9 @@ struct ValidatedRequest {
   // Versions of the heads the job uses (0 in logits mode or when there is no reference).
   uint64_t head_version = 0;
   uint64_t reference_head_version = 0;
+  // Microseconds CheckHiddenStatesFinite took on this request (set by the service, which reports
+  // it inside compute_us).
+  int64_t finite_check_us = 0;
 };
 
 // Where the bytes of a tensor with Tensor.shared_memory set are: `ref` resolved to a view of
@@ -73,8 +77,8 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
 // OK when every hidden state of the job (model and reference, hidden mode only) is finite;
 // otherwise INVALID_ARGUMENT naming the field ("hidden" / "reference_hidden"), the first bad row,
 // its column and the value (NaN, +inf, -inf): a non-finite hidden state would poison every logit
-// of its row. Reads every hidden byte once (vectorised), so the service runs it on its worker,
-// not on the gRPC thread. REQUIRES: `job` came from ValidateScoreRequest (its views are valid).
+// of its row. Reads every hidden byte once (vectorised), so it is separate from the validation
+// of shapes. REQUIRES: `job` came from ValidateScoreRequest (its views are valid).
 absl::Status CheckHiddenStatesFinite(const ScoreJob& job);
 
 }  // namespace logitserve

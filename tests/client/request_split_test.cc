@@ -175,6 +175,48 @@ TEST(MakeChunkRequestTest, SlicesEveryRowTensorAndKeepsTheRest) {
   EXPECT_THAT(c.target_ids().shape(), ElementsAre(2, 2));
 }
 
+// The chunks' template keeps every non-row field exactly (presence of optional fields and unknown
+// fields included) and none of the row tensors or sequence lengths.
+TEST(RequestWithoutRowsTest, KeepsEveryOtherFieldAndNoRowBytes) {
+  v1::ScoreRequest r = Request(6);
+  *r.mutable_hidden() = TensorOf(Iota(12), {6, 2});
+  *r.mutable_reference_logits() = TensorOf(Iota(24, 100.0f), {6, 4});
+  r.set_reference_head("ref");
+  r.set_ignore_index(0);  // explicitly 0: presence must survive
+  r.set_jsd_beta(0.0f);
+  r.set_head_version(7);
+  r.add_sequence_lengths(6);
+  r.GetReflection()->MutableUnknownFields(&r)->AddVarint(999, 42);
+  const v1::ScoreRequest w = RequestWithoutRows(r);
+  EXPECT_FALSE(w.has_hidden());
+  EXPECT_FALSE(w.has_logits());
+  EXPECT_FALSE(w.has_reference_logits());
+  EXPECT_FALSE(w.has_target_ids());
+  EXPECT_EQ(w.sequence_lengths_size(), 0);
+  EXPECT_EQ(w.request_id(), "req");
+  EXPECT_EQ(w.reference_head(), "ref");
+  EXPECT_TRUE(w.entropy());
+  EXPECT_EQ(w.top_k(), 2u);
+  ASSERT_TRUE(w.has_ignore_index());
+  EXPECT_EQ(w.ignore_index(), 0);
+  ASSERT_TRUE(w.has_jsd_beta());
+  EXPECT_FALSE(w.has_temperature());
+  EXPECT_EQ(w.head_version(), 7u);
+  // Reflection: this protobuf's generated classes declare no unknown_fields() accessors.
+  const google::protobuf::UnknownFieldSet& unknown = w.GetReflection()->GetUnknownFields(w);
+  ASSERT_EQ(unknown.field_count(), 1);
+  EXPECT_EQ(unknown.field(0).varint(), 42u);
+  // The same as copying the request and clearing its rows.
+  v1::ScoreRequest expected = r;
+  expected.clear_hidden();
+  expected.clear_logits();
+  expected.clear_reference_hidden();
+  expected.clear_reference_logits();
+  expected.clear_target_ids();
+  expected.clear_sequence_lengths();
+  EXPECT_EQ(w.SerializeAsString(), expected.SerializeAsString());
+}
+
 TEST(AppendChunkResponseTest, ConcatenatesInRowOrderAndSumsTimings) {
   ScoreOutput out;
   v1::ScoreResponse a;

@@ -8,6 +8,8 @@
 // target logits are exact and compared bit for bit. GPU-vs-GPU properties that the determinism
 // promise rests on (pair statistics == single statistics for the model side, dtype invariance,
 // shard-layout invariance of the fold) are compared bit for bit.
+//
+// Long file: one program, so one compute-sanitizer run covers every kernel.
 #include "logitserve/kernels/cuda_kernels.h"
 
 #include <cuda_runtime_api.h>
@@ -332,13 +334,14 @@ TEST_F(CudaKernels, TopKMatchesCpu) {
     SCOPED_TRACE("k = " + std::to_string(top));
     DeviceArray<k::TopKEntry> lists(kRows * top), lists2(kRows * top);
     DeviceArray<int32_t> counts(kRows), counts2(kRows);
+    DeviceArray<float> scratch(kc::TopKScratchBytes(kRows, k::NumBlocks(kV)) / sizeof(float));
     ASSERT_CUDA(kc::LaunchTopKUpdate(SourceOf(dm.get(), k::FloatType::kFloat16, 0, kV), kRows, top,
-                                     lists.get(), counts.get(), nullptr));
+                                     lists.get(), counts.get(), scratch.get(), nullptr));
     ASSERT_CUDA(kc::LaunchTopKUpdate(SourceOf(dm.get(), k::FloatType::kFloat16, 0, 2048), kRows,
-                                     top, lists2.get(), counts2.get(), nullptr));
+                                     top, lists2.get(), counts2.get(), scratch.get(), nullptr));
     ASSERT_CUDA(
         kc::LaunchTopKUpdate(SourceOf(dm.get() + 2048 * 2, k::FloatType::kFloat16, 2048, kV - 2048),
-                             kRows, top, lists2.get(), counts2.get(), nullptr));
+                             kRows, top, lists2.get(), counts2.get(), scratch.get(), nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<k::TopKEntry> g = lists.ToHost(), g2 = lists2.ToHost();
     const std::vector<int32_t> c = counts.ToHost(), c2 = counts2.ToHost();
@@ -363,6 +366,85 @@ TEST_F(CudaKernels, TopKMatchesCpu) {
             << w.id << ", " << Bits(w.value) << ")";
         ASSERT_TRUE(y.id == w.id && SameBits(y.value, w.value))
             << "two-source list, position " << i << ": (" << y.id << ", " << Bits(y.value) << ")";
+      }
+    }
+  }
+}
+
+// The one-read top-k (topk_kernel.cu) on a vocabulary long enough for its threshold (17 blocks,
+// 544 lane maxima), on rows that take each of its paths: the threshold path (normal logits, 30%
+// masked, bf16-like ties at the top), and the exact fallback (every value equal: candidates
+// overflow; 100 finite values: too few for k > 100). Lists equal the CPU's bit for bit, for one
+// source and for two sources (the second offered to a full list), in every dtype; the fused
+// launcher's statistics records equal LaunchBlockStats's bit for bit.
+TEST_F(CudaKernels, OneReadTopKMatchesCpuOnEveryPath) {
+  constexpr int64_t kLongV = 16 * 2048 + 232;
+  constexpr int64_t kLongRows = 6;
+  constexpr int64_t kSplit = 3 * 2048;
+  constexpr float kTemperature = 0.7f;
+  std::mt19937_64 rng(1234);
+  std::vector<float> v = RandomNormal(rng, kLongRows * kLongV, 3.0);
+  std::bernoulli_distribution coin(0.3);
+  std::uniform_int_distribution<int> small(-40, 40);
+  for (int64_t j = 0; j < kLongV; ++j) {
+    if (coin(rng)) v[1 * kLongV + j] = -kInf;
+    v[2 * kLongV + j] = small(rng) / 16.0f;
+    v[3 * kLongV + j] = 0.25f;
+    if (j % 331 != 7) v[4 * kLongV + j] = -kInf;  // 100 finite values
+  }
+  auto source = [&](const uint8_t* base, k::FloatType t, int64_t col0, int64_t cols) {
+    kc::LogitsSource s;
+    s.type = t;
+    s.data = base + col0 * k::SizeOf(t);
+    s.ld = kLongV;
+    s.col0 = col0;
+    s.cols = cols;
+    s.transform.temperature = kTemperature;
+    return s;
+  };
+  for (k::FloatType t : {k::FloatType::kBFloat16, k::FloatType::kFloat16, k::FloatType::kFloat32}) {
+    const HostMatrix hm = Encode(t, kLongRows, kLongV, v);
+    DeviceArray<uint8_t> dm(hm.bytes);
+    const int64_t blocks = k::NumBlocks(kLongV);
+    for (int32_t top : {1, 64, 500, 1024}) {
+      SCOPED_TRACE("dtype " + std::to_string(static_cast<int>(t)) + ", k = " + std::to_string(top));
+      DeviceArray<k::TopKEntry> lists(kLongRows * top), lists2(kLongRows * top);
+      DeviceArray<int32_t> counts(kLongRows), counts2(kLongRows);
+      DeviceArray<k::PairBlockStats> fused(kLongRows * blocks), plain(kLongRows * blocks);
+      DeviceArray<float> scratch(kc::TopKScratchBytes(kLongRows, blocks) / sizeof(float));
+      const kc::LogitsSource all = source(dm.get(), t, 0, kLongV);
+      ASSERT_CUDA(kc::LaunchBlockStatsTopK(all, nullptr, kLongRows, fused.get(), blocks, 0, top,
+                                           lists.get(), counts.get(), scratch.get(), nullptr));
+      ASSERT_CUDA(kc::LaunchBlockStats(all, nullptr, kLongRows, plain.get(), blocks, 0, nullptr));
+      ASSERT_CUDA(kc::LaunchTopKUpdate(source(dm.get(), t, 0, kSplit), kLongRows, top, lists2.get(),
+                                       counts2.get(), scratch.get(), nullptr));
+      ASSERT_CUDA(kc::LaunchTopKUpdate(source(dm.get(), t, kSplit, kLongV - kSplit), kLongRows, top,
+                                       lists2.get(), counts2.get(), scratch.get(), nullptr));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<k::PairBlockStats> f = fused.ToHost(), p = plain.ToHost();
+      ASSERT_EQ(std::memcmp(f.data(), p.data(), f.size() * sizeof(k::PairBlockStats)), 0)
+          << "fused statistics records differ from LaunchBlockStats's";
+      const std::vector<k::TopKEntry> g = lists.ToHost(), g2 = lists2.ToHost();
+      const std::vector<int32_t> c = counts.ToHost(), c2 = counts2.ToHost();
+      for (int64_t r = 0; r < kLongRows; ++r) {
+        SCOPED_TRACE("row " + std::to_string(r));
+        std::vector<float> z(static_cast<size_t>(kLongV));
+        for (int64_t j = 0; j < kLongV; ++j) z[static_cast<size_t>(j)] = hm.at(r, j) / kTemperature;
+        std::vector<k::TopKEntry> want(static_cast<size_t>(top));
+        int count = 0;
+        k::CpuTopKBlock(z.data(), kLongV, 0, top, want.data(), &count);
+        ASSERT_EQ(c[static_cast<size_t>(r)], count);
+        ASSERT_EQ(c2[static_cast<size_t>(r)], count);
+        for (int i = 0; i < count; ++i) {
+          const k::TopKEntry& x = g[static_cast<size_t>(r * top + i)];
+          const k::TopKEntry& y = g2[static_cast<size_t>(r * top + i)];
+          const k::TopKEntry& w = want[static_cast<size_t>(i)];
+          ASSERT_TRUE(x.id == w.id && SameBits(x.value, w.value))
+              << "position " << i << ": GPU (" << x.id << ", " << Bits(x.value) << ") vs CPU ("
+              << w.id << ", " << Bits(w.value) << ")";
+          ASSERT_TRUE(y.id == w.id && SameBits(y.value, w.value))
+              << "two-source list, position " << i << ": (" << y.id << ", " << Bits(y.value) << ")";
+        }
       }
     }
   }
@@ -403,9 +485,11 @@ void BuildGathered(const void* model, const void* ref, k::FloatType t,
         0, nullptr));
     ASSERT_CUDA(kc::LaunchGatherTargets(
         a, kRows, dids, per_row, reinterpret_cast<float*>(m + g->layout.target_offset), nullptr));
+    DeviceArray<float> scratch(kc::TopKScratchBytes(kRows, a.blocks()) / sizeof(float));
     ASSERT_CUDA(kc::LaunchTopKUpdate(
         a, kRows, top, reinterpret_cast<k::TopKEntry*>(m + g->layout.topk_offset),
-        reinterpret_cast<int32_t*>(m + g->layout.count_offset), nullptr));
+        reinterpret_cast<int32_t*>(m + g->layout.count_offset), scratch.get(), nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());  // before the scratch is freed
   }
   ASSERT_CUDA(cudaDeviceSynchronize());
 }

@@ -107,5 +107,39 @@ TEST(MergeJobsTest, MergedRowsAreTheConcatenationAndSlicesGiveEachPartItsRows) {
   EXPECT_TRUE(empty.entropy.empty());
 }
 
+// A worker reuses one MergedInputs for every batch: a smaller batch after a larger one reuses
+// the buffer (no new allocation) and still gets exactly its own rows.
+TEST(MergeJobsTest, ReusedStagingGivesEachBatchItsOwnRows) {
+  std::mt19937_64 rng(5);
+  MergedInputs staging;
+  const std::vector<OwnedJob> big = {LogitsJob(rng, 4, 50), LogitsJob(rng, 3, 50)};
+  const std::vector<OwnedJob> small = {LogitsJob(rng, 1, 50), LogitsJob(rng, 2, 50)};
+  const void* first_buffer = nullptr;
+  for (const std::vector<OwnedJob>* parts : {&big, &small}) {
+    std::vector<const ScoreJob*> ptrs;
+    for (const OwnedJob& p : *parts) ptrs.push_back(&p.job);
+    const ScoreJob merged = MergeJobs(ptrs, &staging);
+    if (first_buffer == nullptr) {
+      first_buffer = merged.model.logits.data;
+    } else {
+      EXPECT_EQ(merged.model.logits.data, first_buffer);  // reused, not reallocated
+    }
+    const auto* bytes = static_cast<const uint16_t*>(merged.model.logits.data);
+    int64_t row = 0;
+    for (const OwnedJob& p : *parts) {
+      const auto* src = static_cast<const uint16_t*>(p.job.model.logits.data);
+      for (int64_t r = 0; r < p.job.rows; ++r, ++row) {
+        for (int64_t c = 0; c < 50; ++c) ASSERT_EQ(bytes[row * 50 + c], src[r * 50 + c]);
+      }
+    }
+    EXPECT_EQ(row, merged.rows);
+  }
+  EXPECT_EQ(staging.model.capacity(), size_t{7 * 50 * 2});
+  staging.Trim();  // small: kept
+  EXPECT_EQ(staging.model.capacity(), size_t{7 * 50 * 2});
+  staging.model.TrimTo(100);  // over the limit: freed
+  EXPECT_EQ(staging.model.capacity(), 0u);
+}
+
 }  // namespace
 }  // namespace logitserve

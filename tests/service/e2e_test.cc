@@ -7,10 +7,12 @@
 // one server fixture and its request builders.
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -40,6 +42,7 @@ using ::logitserve::testing::Normal;
 using ::logitserve::testing::RandomIds;
 using ::logitserve::testing::RoundedTo;
 using ::logitserve::testing::ServerProcess;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
 
@@ -436,6 +439,42 @@ TEST_F(ScorerE2eTest, EmptyRequest) {
   EXPECT_EQ(response.top_k_ids_size(), 0);
   EXPECT_THAT(response.sequence_sums().token_count(), ::testing::ElementsAre(0));
   EXPECT_THAT(response.sequence_sums().entropy(), ::testing::ElementsAre(0.0f));
+}
+
+// The hidden-state scan runs where the request is received, before admission: a bad request on a
+// stream is answered with its own row, and the requests before and after it on the same stream
+// are computed as usual.
+TEST_F(ScorerE2eTest, NonFiniteHiddenOnAStreamFailsOnlyThatRequest) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = stub().ScoreStream(&context);
+  std::map<std::string, v1::ScoreRequest> sent;
+  for (const char* id : {"before", "bad", "after"}) {
+    v1::ScoreRequest r = SmallValidRequest(6);
+    r.set_request_id(id);
+    if (std::string(id) == "bad") {
+      std::vector<float> h = Normal(6 * kPolicy.hidden, 7);
+      h[3 * kPolicy.hidden + 2] = kNaN;
+      *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_BFLOAT16, h, {6, kPolicy.hidden});
+    }
+    v1::ScoreStreamRequest message;
+    *message.mutable_request() = r;
+    ASSERT_TRUE(stream->Write(message));
+    sent[id] = r;
+  }
+  stream->WritesDone();
+  std::map<std::string, v1::ScoreStreamResponse> got;
+  v1::ScoreStreamResponse response;
+  while (stream->Read(&response)) got[response.request_id()] = response;
+  ASSERT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got["bad"].status_code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_THAT(got["bad"].status_message(), AllOf(HasSubstr("hidden"), HasSubstr("row 3")));
+  for (const char* id : {"before", "after"}) {
+    SCOPED_TRACE(id);
+    ASSERT_EQ(got[id].status_code(), 0) << got[id].status_message();
+    ExpectMatchesReference(sent[id], got[id].response(), ReferenceHeads());
+  }
 }
 
 TEST_F(ScorerE2eTest, NonFiniteLogitsNameFieldAndRow) {

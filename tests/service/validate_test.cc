@@ -540,8 +540,8 @@ TEST_F(ValidateTest, SequenceLengths) {
   EXPECT_TRUE(Validate(r).ok());
 }
 
-// The hidden-state scan is not part of validation (the handler never reads the bulk of a
-// request); the worker runs CheckHiddenStatesFinite on the validated job.
+// The hidden-state scan is not part of validation (which never reads the bulk of a request);
+// the service runs CheckHiddenStatesFinite on the validated job.
 TEST_F(ValidateTest, NonFiniteHiddenStates) {
   for (v1::DataType dtype :
        {v1::DATA_TYPE_FLOAT32, v1::DATA_TYPE_BFLOAT16, v1::DATA_TYPE_FLOAT16}) {

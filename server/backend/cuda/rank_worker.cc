@@ -15,6 +15,45 @@ namespace logitserve::cuda_internal {
 namespace k = kernels;
 namespace kc = kernels::cuda;
 
+namespace {
+
+// A copy of `bytes` bytes from src to dst.
+struct HostCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+// Runs the copies, split over threads when large: one core copies ~10 GB/s, so the 4 MB of a
+// top-k = 64 output for 8192 rows took as long on one as the top-k kernels (64 MB for k = 1024:
+// ten times longer).
+void CopyOut(const std::vector<HostCopy>& copies) {
+  constexpr size_t kPerThread = size_t{1} << 20;
+  size_t total = 0;
+  for (const HostCopy& c : copies) total += c.bytes;
+  const size_t most = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, 8);
+  const size_t n = std::clamp<size_t>((total + kPerThread - 1) / kPerThread, 1, most);
+  // Thread i copies bytes [i * share, (i + 1) * share) of the concatenated copies.
+  const size_t share = (total + n - 1) / n;
+  auto run = [&copies, share](size_t i) {
+    size_t begin = i * share, end = begin + share, at = 0;
+    for (const HostCopy& c : copies) {
+      const size_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
+      if (lo < hi) {
+        std::memcpy(static_cast<uint8_t*>(c.dst) + (lo - at),
+                    static_cast<const uint8_t*>(c.src) + (lo - at), hi - lo);
+      }
+      at += c.bytes;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(run, i);
+  run(0);
+  for (std::thread& t : threads) t.join();
+}
+
+}  // namespace
+
 void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                            std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets) {
   d.in = &in;
@@ -70,6 +109,8 @@ absl::Status RankWorker::Prepare() {
   const size_t precv_at = plan_.jsd_pass && num_ranks_ > 1
                               ? carver.Add(partial_bytes * static_cast<size_t>(num_ranks_))
                               : 0;
+  const size_t topk_scratch_at =
+      job_.top_k > 0 ? carver.Add(kc::TopKScratchBytes(plan_.tile_rows, plan_.max_blocks)) : 0;
   const size_t fa_at = carver.Add(rows * sizeof(k::RowStats));
   const size_t fb_at = carver.Add(rows * sizeof(k::RowStats));
   const size_t bad_at = carver.Add(2 * sizeof(int32_t));
@@ -120,6 +161,7 @@ absl::Status RankWorker::Prepare() {
   recv_ = num_ranks_ > 1 ? base + recv_at : send_;
   partial_send_ = reinterpret_cast<float*>(base + psend_at);
   partial_recv_ = num_ranks_ > 1 ? reinterpret_cast<float*>(base + precv_at) : partial_send_;
+  topk_scratch_ = reinterpret_cast<float*>(base + topk_scratch_at);
   folded_a_ = reinterpret_cast<k::RowStats*>(base + fa_at);
   folded_b_ = reinterpret_cast<k::RowStats*>(base + fb_at);
   first_bad_ = reinterpret_cast<int32_t*>(base + bad_at);
@@ -286,7 +328,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   auto* lists = reinterpret_cast<k::TopKEntry*>(send_ + m.topk_offset);
   auto* counts = reinterpret_cast<int32_t*>(send_ + m.count_offset);
   auto* targets = reinterpret_cast<float*>(send_ + m.target_offset);
-  bool cleared = false;  // the message's top-k and target sections (below)
+  bool cleared = false;  // the uploads are issued and the top-k counts cleared (below)
   for (int64_t c = 0; c < num_chunks_; ++c) {
     const int64_t g = chunk_seq_++;
     const size_t e = static_cast<size_t>(g % 2);
@@ -306,26 +348,29 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
     }
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(
-        *a, plan_.pair ? &*b : nullptr, rows, stats, m.max_blocks, local_block, stream()));
-    if (c == 0) {
-      cleared = true;
+    const kc::LogitsSource* ref = plan_.pair ? &*b : nullptr;
+    if (job_.top_k > 0) {
       // Only the top-k counts need a defined start: every statistics record and every target
       // logit the fold reads is written by this tile's kernels (a target id is read from the
-      // rank whose columns hold it). Queued behind the statistics.
-      if (job_.top_k > 0) {
+      // rank whose columns hold it).
+      if (c == 0) {
         LOGITSERVE_RETURN_IF_CUDA_ERROR(
-            cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+            cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
       }
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStatsTopK(*a, ref, rows, stats, m.max_blocks,
+                                                               local_block, job_.top_k, lists,
+                                                               counts, topk_scratch_, stream()));
+    } else {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchBlockStats(*a, ref, rows, stats, m.max_blocks, local_block, stream()));
+    }
+    if (c == 0) {
+      cleared = true;
       LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
     }
     if (job_.ids_per_row > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
           *a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
-    }
-    if (job_.top_k > 0) {
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          kc::LaunchTopKUpdate(*a, rows, job_.top_k, lists, counts, stream()));
     }
     if (split && !plan_.jsd_pass) {
       LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_free[e], stream()));
@@ -333,7 +378,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   }
   if (!cleared && job_.top_k > 0) {  // a shard without columns: empty lists
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
-        cudaMemsetAsync(send_ + m.topk_offset, 0, m.bytes - m.topk_offset, stream()));
+        cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
   }
   return absl::OkStatus();
 }
@@ -519,7 +564,9 @@ absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_b
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + at, first_bad_, 2 * sizeof(int32_t),
                                                     cudaMemcpyDeviceToHost, stream()));
     LOGITSERVE_RETURN_IF_ERROR(WaitIdle("output copy"));
-    for (const auto& [dst, from] : back) std::memcpy(dst.first, io + from, dst.second);
+    std::vector<HostCopy> copies;
+    for (const auto& [dst, from] : back) copies.push_back({dst.first, io + from, dst.second});
+    CopyOut(copies);
     std::memcpy(first_bad, io + at, 2 * sizeof(int32_t));
   }
   if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();

@@ -145,6 +145,7 @@ class RankWorker {
   uint8_t* send_ = nullptr;
   uint8_t* recv_ = nullptr;
   float* partial_send_ = nullptr;
+  float* topk_scratch_ = nullptr;  // the top-k kernels' lane maxima of one source
   float* partial_recv_ = nullptr;
   k::RowStats* folded_a_ = nullptr;
   k::RowStats* folded_b_ = nullptr;

@@ -10,10 +10,10 @@
 // Determinism: every reduction has a fixed shape. The statistics and JSD kernels give one warp
 // one block of one row: element e of chunk j of lane l is id j * 256 + 8 l + e of the block, each
 // lane adds its 64 values in (j, e) order into two accumulators (even / odd e), and lanes combine
-// with a fixed xor butterfly (kernels/cuda/lane_block.cuh). The top-k kernel uses one CTA of
-// kBlockThreads threads per row, 8 consecutive values a thread. Nothing depends on the grid size,
-// the row count, the shard layout or the input dtype (every input is converted exactly to fp32
-// first). Top-k uses a strict total order (Better), so its result is unique whatever order
+// with a fixed xor butterfly (kernels/cuda/lane_block.cuh); the fused statistics + top-k kernel
+// computes its records with the same functions, so they have the same bits. Nothing depends on the
+// grid size, the row count, the shard layout or the input dtype (every input is converted exactly
+// to fp32 first). Top-k uses a strict total order (Better), so its result is unique whatever order
 // candidates are seen in.
 //
 // Exponentials: ex2.approx.ftz(x * log2(e)) on clamped, non-positive x: the instruction behind
@@ -88,9 +88,18 @@ cudaError_t LaunchGatherTargets(const LogitsSource& a, int64_t rows, const int32
                                 int32_t ids_per_row, float* targets, cudaStream_t stream);
 
 // Offers every column of `a` to each row's running top-k list: lists[r * k .. r * k + k) holds
-// counts[r] entries, best first (Better); zero counts start empty lists. k <= kMaxTopK.
+// counts[r] entries, best first (Better); zero counts start empty lists. k <= kMaxTopK. `scratch`
+// holds TopKScratchBytes(rows, a.blocks()) bytes of device memory (the lanes' maxima).
 cudaError_t LaunchTopKUpdate(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
-                             int32_t* counts, cudaStream_t stream);
+                             int32_t* counts, float* scratch, cudaStream_t stream);
+size_t TopKScratchBytes(int64_t rows, int64_t blocks);
+
+// LaunchBlockStats(a, b, ...) and LaunchTopKUpdate(a, ...) together; a single source (b null) is
+// read once for both (topk_kernel.cu), with the records' bits of LaunchBlockStats.
+cudaError_t LaunchBlockStatsTopK(const LogitsSource& a, const LogitsSource* b, int64_t rows,
+                                 PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
+                                 int32_t k, TopKEntry* lists, int32_t* counts, float* scratch,
+                                 cudaStream_t stream);
 
 // What one rank contributes per row tile; every rank uses the same layout, so a gathered buffer
 // holds rank r's message at byte r * bytes. Sections (each 256-byte aligned):
