@@ -90,6 +90,7 @@ cp bench/rpc/python-check.sh "$BUNDLE/bin/"
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libmvec\.|libpthread\.|libdl\.|librt\.|libresolv\.|libutil\.|libanl\.|libnsl\.|libBrokenLocale\.|libnss_|libstdc\+\+\.|libgcc_s\.|libnccl\.)'
 cuda_libs='^(libcublas|libcublasLt|libcudart)\.'
 for bin in "$BUNDLE"/bin/*; do
+  ldd "$bin" >/dev/null 2>&1 || continue  # the scripts among them
   ldd "$bin" | awk '/=> \// {print $1, $3}'
 done | sort -u | while read -r name path; do
   if [[ "$name" =~ $skip ]]; then continue; fi

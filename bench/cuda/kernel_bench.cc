@@ -220,6 +220,7 @@ int main(int argc, char** argv) {
   CLI::App app{"logitserve CUDA kernel benchmark (SPEC §9)"};
   int64_t rows = 8192, vocab = 75968, hrows = 8192, hidden = 4096, hvocab = 151936;
   int iters = 10, hidden_iters = 3;
+  double jsd_tile_mb = 0;
   std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
   bool no_logits = false, no_hidden = false;
   std::string json_path;
@@ -231,6 +232,8 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", hidden, "hidden mode: hidden size H");
   app.add_option("--hidden-vocab", hvocab, "hidden mode: vocabulary V");
   app.add_option("--hidden-iters", hidden_iters, "hidden mode: timed repetitions");
+  app.add_option("--jsd-tile-mb", jsd_tile_mb,
+                 "logits mode: CudaBackendOptions::jsd_tile_bytes in MB (0 = no cap)");
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
   app.add_option("--json", json_path, "also write results as JSON");
@@ -259,6 +262,7 @@ int main(int argc, char** argv) {
     const double free_before = FreeDeviceBytes(0);
     logitserve::CudaBackendOptions options;
     options.devices = {0};
+    options.jsd_tile_bytes = static_cast<size_t>(jsd_tile_mb * 1e6);
     auto backend = logitserve::CreateCudaBackend(options);
     if (!backend.ok()) {
       std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
