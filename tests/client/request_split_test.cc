@@ -8,6 +8,7 @@
 
 #include "client/tensor.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
 
 namespace logitserve::client {
@@ -186,7 +187,7 @@ TEST(RequestWithoutRowsTest, KeepsEveryOtherFieldAndNoRowBytes) {
   r.set_jsd_beta(0.0f);
   r.set_head_version(7);
   r.add_sequence_lengths(6);
-  r.mutable_unknown_fields()->AddVarint(999, 42);
+  r.GetReflection()->MutableUnknownFields(&r)->AddVarint(999, 42);
   const v1::ScoreRequest w = RequestWithoutRows(r);
   EXPECT_FALSE(w.has_hidden());
   EXPECT_FALSE(w.has_logits());
@@ -202,8 +203,9 @@ TEST(RequestWithoutRowsTest, KeepsEveryOtherFieldAndNoRowBytes) {
   ASSERT_TRUE(w.has_jsd_beta());
   EXPECT_FALSE(w.has_temperature());
   EXPECT_EQ(w.head_version(), 7u);
-  ASSERT_EQ(w.unknown_fields().field_count(), 1);
-  EXPECT_EQ(w.unknown_fields().field(0).varint(), 42u);
+  const google::protobuf::UnknownFieldSet& unknown = w.GetReflection()->GetUnknownFields(w);
+  ASSERT_EQ(unknown.field_count(), 1);
+  EXPECT_EQ(unknown.field(0).varint(), 42u);
   // The same as copying the request and clearing its rows.
   v1::ScoreRequest expected = r;
   expected.clear_hidden();
