@@ -8,6 +8,7 @@
 
 #include "client/tensor.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
 
 namespace logitserve::client {
@@ -202,7 +203,6 @@ TEST(RequestWithoutRowsTest, KeepsEveryOtherFieldAndNoRowBytes) {
   ASSERT_TRUE(w.has_jsd_beta());
   EXPECT_FALSE(w.has_temperature());
   EXPECT_EQ(w.head_version(), 7u);
-  // Reflection: this protobuf's generated classes declare no unknown_fields() accessors.
   const google::protobuf::UnknownFieldSet& unknown = w.GetReflection()->GetUnknownFields(w);
   ASSERT_EQ(unknown.field_count(), 1);
   EXPECT_EQ(unknown.field(0).varint(), 42u);
