@@ -48,6 +48,13 @@ constexpr int64_t kMaxSelectBlocks = 512;
 // Radix select: 8-bit digits.
 constexpr int kRadixBins = 256;
 
+// The smallest power of two >= n (n >= 1): the bitonic sort's padded length.
+__host__ __device__ __forceinline__ int PowerOfTwoAtLeast(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
 // Ranks after every real entry (also -inf ones, whose ids are smaller).
 __device__ __forceinline__ TopKEntry Sentinel() { return TopKEntry{detail::NegInfF(), INT_MAX}; }
 
@@ -196,8 +203,7 @@ struct alignas(16) SelectShared {
 // Dynamic shared memory: SelectShared, the candidates, the k best, the lane maxima's keys, the list
 // of lanes that reach the threshold.
 size_t SelectSharedBytes(int64_t blocks, int32_t k) {
-  int padded = 1;
-  while (padded < k) padded <<= 1;
+  const int padded = PowerOfTwoAtLeast(k);
   const int64_t maxima = blocks * 32;
   return sizeof(SelectShared) + static_cast<size_t>(maxima) * sizeof(uint32_t) +
          static_cast<size_t>(std::min<int64_t>(maxima, kMaxItems)) * sizeof(int) +
@@ -211,8 +217,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
   const int maxima = static_cast<int>(blocks * 32);
   TopKEntry* cand = reinterpret_cast<TopKEntry*>(smem_raw + sizeof(SelectShared));
-  int padded = 1;
-  while (padded < k) padded <<= 1;
+  const int padded = PowerOfTwoAtLeast(k);
   TopKEntry* best = cand + cap;
   uint32_t* keys = reinterpret_cast<uint32_t*>(best + padded);
   int* items = reinterpret_cast<int*>(keys + maxima);
@@ -396,8 +401,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     __syncthreads();
     const int n = num_cand[p];
     if (n == 0) continue;  // uniform: nothing in this block beats the list
-    int padded = 1;
-    while (padded < n) padded <<= 1;
+    const int padded = PowerOfTwoAtLeast(n);
     for (int i = n + threadIdx.x; i < padded; i += blockDim.x) cand[i] = Sentinel();
     __syncthreads();
     BitonicSortBestFirst(cand, padded);

@@ -325,6 +325,25 @@ TEST_F(CudaKernels, GatherTargets) {
   }
 }
 
+// Row r of a one-source (g, c) and a two-source (g2, c2) GPU top-k result equals the CPU's list
+// `want` of `count` entries, bit for bit.
+void ExpectListsEqualCpu(const std::vector<k::TopKEntry>& g, const std::vector<int32_t>& c,
+                         const std::vector<k::TopKEntry>& g2, const std::vector<int32_t>& c2,
+                         int64_t r, int32_t top, const std::vector<k::TopKEntry>& want, int count) {
+  ASSERT_EQ(c[static_cast<size_t>(r)], count);
+  ASSERT_EQ(c2[static_cast<size_t>(r)], count);
+  for (int i = 0; i < count; ++i) {
+    const k::TopKEntry& x = g[static_cast<size_t>(r * top + i)];
+    const k::TopKEntry& y = g2[static_cast<size_t>(r * top + i)];
+    const k::TopKEntry& w = want[static_cast<size_t>(i)];
+    ASSERT_TRUE(x.id == w.id && SameBits(x.value, w.value))
+        << "position " << i << ": GPU (" << x.id << ", " << Bits(x.value) << ") vs CPU (" << w.id
+        << ", " << Bits(w.value) << ")";
+    ASSERT_TRUE(y.id == w.id && SameBits(y.value, w.value))
+        << "two-source list, position " << i << ": (" << y.id << ", " << Bits(y.value) << ")";
+  }
+}
+
 // Top-k: identical (bit for bit) to the CPU's lists, for k from 1 to the cap, with ties and
 // masked tokens; and a list built over two sources (two shards) equals the one-source list.
 TEST_F(CudaKernels, TopKMatchesCpu) {
@@ -355,18 +374,7 @@ TEST_F(CudaKernels, TopKMatchesCpu) {
         k::CpuTopKBlock(z.data() + blk * k::kVocabBlock, n,
                         static_cast<int32_t>(blk * k::kVocabBlock), top, want.data(), &count);
       }
-      ASSERT_EQ(c[static_cast<size_t>(r)], count);
-      ASSERT_EQ(c2[static_cast<size_t>(r)], count);
-      for (int i = 0; i < count; ++i) {
-        const k::TopKEntry& x = g[static_cast<size_t>(r * top + i)];
-        const k::TopKEntry& y = g2[static_cast<size_t>(r * top + i)];
-        const k::TopKEntry& w = want[static_cast<size_t>(i)];
-        ASSERT_TRUE(x.id == w.id && SameBits(x.value, w.value))
-            << "position " << i << ": GPU (" << x.id << ", " << Bits(x.value) << ") vs CPU ("
-            << w.id << ", " << Bits(w.value) << ")";
-        ASSERT_TRUE(y.id == w.id && SameBits(y.value, w.value))
-            << "two-source list, position " << i << ": (" << y.id << ", " << Bits(y.value) << ")";
-      }
+      ASSERT_NO_FATAL_FAILURE(ExpectListsEqualCpu(g, c, g2, c2, r, top, want, count));
     }
   }
 }
@@ -433,18 +441,7 @@ TEST_F(CudaKernels, OneReadTopKMatchesCpuOnEveryPath) {
         std::vector<k::TopKEntry> want(static_cast<size_t>(top));
         int count = 0;
         k::CpuTopKBlock(z.data(), kLongV, 0, top, want.data(), &count);
-        ASSERT_EQ(c[static_cast<size_t>(r)], count);
-        ASSERT_EQ(c2[static_cast<size_t>(r)], count);
-        for (int i = 0; i < count; ++i) {
-          const k::TopKEntry& x = g[static_cast<size_t>(r * top + i)];
-          const k::TopKEntry& y = g2[static_cast<size_t>(r * top + i)];
-          const k::TopKEntry& w = want[static_cast<size_t>(i)];
-          ASSERT_TRUE(x.id == w.id && SameBits(x.value, w.value))
-              << "position " << i << ": GPU (" << x.id << ", " << Bits(x.value) << ") vs CPU ("
-              << w.id << ", " << Bits(w.value) << ")";
-          ASSERT_TRUE(y.id == w.id && SameBits(y.value, w.value))
-              << "two-source list, position " << i << ": (" << y.id << ", " << Bits(y.value) << ")";
-        }
+        ASSERT_NO_FATAL_FAILURE(ExpectListsEqualCpu(g, c, g2, c2, r, top, want, count));
       }
     }
   }
