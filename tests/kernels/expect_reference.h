@@ -67,7 +67,8 @@ double KlTol(const RowScale& a, const RowScale& b, int64_t vocab, double h_a, do
 // and sum_j p_s,j |ls_j - lm_j| <= 1 - log(1-beta) (likewise for t), so every error of the
 // log-probabilities (3 E + kSumRelTol + u (R + log V), R = RowScale::max_centred) enters
 // multiplied by G = (1-beta)(1 - log(1-beta)) + beta(1 - log beta) <= 1.7; the fp32 sum of
-// terms (sum |terms| <= G) adds kSumRelTol G.
+// terms (sum |terms| <= G) adds kSumRelTol G; the fast log of the mixture (GPU) adds
+// 2^-22 + 4 u log V.
 double JsdTol(const RowScale& s, const RowScale& t, int64_t vocab, double beta, double ref_jsd);
 
 // got (fp32) against ref (fp64): NaN must be NaN; a reference that is +-inf in fp32 must be that

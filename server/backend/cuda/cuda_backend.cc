@@ -516,6 +516,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->slots_released.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle.Create(rank->device));
+    LOGITSERVE_RETURN_IF_ERROR(rank->uploaded.Create(rank->device));
+    for (CudaEvent& e : rank->output_pieces) {
+      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
+    }
     LOGITSERVE_RETURN_IF_ERROR(rank->lt.Create());
     if (auto s = rank->cublas_workspace.Reserve(rank->device, kCublasWorkspaceBytes); !s.ok()) {
       return s;

@@ -28,6 +28,9 @@ namespace kc = kernels::cuda;
 // within two tiles of the device.
 constexpr int kTileEvents = 2;
 
+// Pieces (and host threads) of the output copy-back at most (RankWorker::Finish).
+constexpr size_t kOutputPieces = 8;
+
 // Carves one device buffer into 256-byte aligned pieces.
 class Carver {
  public:
@@ -75,6 +78,8 @@ struct Rank {
   std::array<CudaEvent, 2> slot_free;    // stream: chunk g's readers are done with slot g % 2
   CudaEvent slots_released;              // stream: JSD pass done with the tile's kept chunks
   CudaEvent gemm_idle;                   // joins gemm_stream into stream
+  CudaEvent uploaded;                    // gemm_stream: the job's set-up copies are done
+  std::array<CudaEvent, kOutputPieces> output_pieces;  // stream: output piece i is on the host
   LtHandle lt;
   DeviceBuffer cublas_workspace;
   DeviceBuffer workspace;              // per-job scratch, grown on demand

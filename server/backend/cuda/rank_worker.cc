@@ -24,33 +24,59 @@ struct HostCopy {
   size_t bytes;
 };
 
-// Runs the copies, split over threads when large: one core copies ~10 GB/s, so the 4 MB of a
-// top-k = 64 output for 8192 rows took as long on one as the top-k kernels (64 MB for k = 1024:
-// ten times longer).
-void CopyOut(const std::vector<HostCopy>& copies) {
-  constexpr size_t kPerThread = size_t{1} << 20;
-  size_t total = 0;
-  for (const HostCopy& c : copies) total += c.bytes;
-  const size_t most = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, 8);
-  const size_t n = std::clamp<size_t>((total + kPerThread - 1) / kPerThread, 1, most);
-  // Thread i copies bytes [i * share, (i + 1) * share) of the concatenated copies.
-  const size_t share = (total + n - 1) / n;
-  auto run = [&copies, share](size_t i) {
-    size_t begin = i * share, end = begin + share, at = 0;
-    for (const HostCopy& c : copies) {
+// The host side of the output copy-back, split over threads when large: one core copies ~10 GB/s,
+// so the 4 MB of a top-k = 64 output for 8192 rows took as long on one as the top-k kernels
+// (64 MB for k = 1024: ten times longer). Thread i copies bytes [i * share, (i + 1) * share) of
+// the concatenated copies, whose sources lie in increasing order in one staging block; Piece(i)
+// is the staging range that share reads, so the device-to-host copy of the block can go in those
+// pieces and thread i start as soon as piece i has arrived.
+class SplitCopy {
+ public:
+  explicit SplitCopy(std::vector<HostCopy> copies) : copies_(std::move(copies)) {
+    constexpr size_t kPerThread = size_t{1} << 20;
+    size_t total = 0;
+    for (const HostCopy& c : copies_) total += c.bytes;
+    const size_t most = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kMaxThreads);
+    n_ = std::clamp<size_t>((total + kPerThread - 1) / kPerThread, 1, most);
+    share_ = (total + n_ - 1) / n_;
+  }
+  static constexpr size_t kMaxThreads = kOutputPieces;
+  size_t threads() const { return n_; }
+
+  // [lo, hi) of the sources (pointers into the staging block) that share i reads.
+  std::pair<const uint8_t*, const uint8_t*> Piece(size_t i) const {
+    const uint8_t* lo = nullptr;
+    const uint8_t* hi = nullptr;
+    ForShare(i, [&](const HostCopy& c, size_t off, size_t bytes) {
+      const uint8_t* p = static_cast<const uint8_t*>(c.src) + off;
+      if (lo == nullptr) lo = p;
+      hi = p + bytes;
+    });
+    return {lo, hi};
+  }
+  void Run(size_t i) const {
+    ForShare(i, [](const HostCopy& c, size_t off, size_t bytes) {
+      std::memcpy(static_cast<uint8_t*>(c.dst) + off, static_cast<const uint8_t*>(c.src) + off,
+                  bytes);
+    });
+  }
+
+ private:
+  template <typename F>
+  void ForShare(size_t i, F&& f) const {
+    const size_t begin = i * share_, end = begin + share_;
+    size_t at = 0;
+    for (const HostCopy& c : copies_) {
       const size_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
-      if (lo < hi) {
-        std::memcpy(static_cast<uint8_t*>(c.dst) + (lo - at),
-                    static_cast<const uint8_t*>(c.src) + (lo - at), hi - lo);
-      }
+      if (lo < hi) f(c, lo - at, hi - lo);
       at += c.bytes;
     }
-  };
-  std::vector<std::thread> threads;
-  for (size_t i = 1; i < n; ++i) threads.emplace_back(run, i);
-  run(0);
-  for (std::thread& t : threads) t.join();
-}
+  }
+
+  std::vector<HostCopy> copies_;
+  size_t n_ = 1;
+  size_t share_ = 0;
+};
 
 }  // namespace
 
@@ -113,18 +139,30 @@ absl::Status RankWorker::Prepare() {
       job_.top_k > 0 ? carver.Add(kc::TopKScratchBytes(plan_.tile_rows, plan_.max_blocks)) : 0;
   const size_t fa_at = carver.Add(rows * sizeof(k::RowStats));
   const size_t fb_at = carver.Add(rows * sizeof(k::RowStats));
-  const size_t bad_at = carver.Add(2 * sizeof(int32_t));
   const size_t ids_count = n * static_cast<size_t>(job_.ids_per_row);
   const size_t ids_at = carver.Add(ids_count * sizeof(int32_t));
-  // Outputs (rank 0 only).
+  // The bad-row markers, then the requested outputs (rank 0 only), in one block laid out exactly
+  // as its pinned staging after the ids: Finish brings it back with one copy (each copy is a few
+  // us of latency at the end of the job).
   const size_t topk_count = n * static_cast<size_t>(job_.top_k);
-  size_t out_at[8] = {};
+  Carver block;
+  block.Add(2 * sizeof(int32_t));  // first_bad_ at offset 0
+  out_bytes_ = {};
   if (reports_) {
-    out_at[0] = carver.Add(ids_count * sizeof(float));
-    out_at[1] = carver.Add(topk_count * sizeof(int32_t));
-    out_at[2] = carver.Add(topk_count * sizeof(float));
-    for (int i = 3; i < 8; ++i) out_at[i] = carver.Add(n * sizeof(float));
+    out_bytes_ = {ids_count * sizeof(float),
+                  topk_count * sizeof(int32_t),
+                  topk_count * sizeof(float),
+                  job_.entropy ? n * sizeof(float) : 0,
+                  job_.reference_entropy ? n * sizeof(float) : 0,
+                  job_.forward_kl ? n * sizeof(float) : 0,
+                  job_.reverse_kl ? n * sizeof(float) : 0,
+                  job_.jsd_beta ? n * sizeof(float) : 0};
   }
+  for (size_t i = 0; i < out_bytes_.size(); ++i) {
+    out_at_[i] = out_bytes_[i] > 0 ? block.Add(out_bytes_[i]) : 0;
+  }
+  out_block_bytes_ = block.total();
+  const size_t block_at = carver.Add(out_block_bytes_);
   std::vector<std::pair<Dist*, std::array<size_t, 4>>> dist_offsets;
   SetUpDist(model_, job_.model, plan_.model_zero_copy[static_cast<size_t>(rank_.index)], carver,
             dist_offsets);
@@ -164,7 +202,8 @@ absl::Status RankWorker::Prepare() {
   topk_scratch_ = reinterpret_cast<float*>(base + topk_scratch_at);
   folded_a_ = reinterpret_cast<k::RowStats*>(base + fa_at);
   folded_b_ = reinterpret_cast<k::RowStats*>(base + fb_at);
-  first_bad_ = reinterpret_cast<int32_t*>(base + bad_at);
+  out_block_ = base + block_at;
+  first_bad_ = reinterpret_cast<int32_t*>(out_block_);
   ids_ = reinterpret_cast<int32_t*>(base + ids_at);
   for (auto& [d, off] : dist_offsets) {
     d->staging = base + off[0];
@@ -176,51 +215,52 @@ absl::Status RankWorker::Prepare() {
     outputs_.target_ids = ids_;
     outputs_.ids_per_row = job_.ids_per_row;
     outputs_.ignore_index = job_.ignore_index;
-    if (ids_count > 0) outputs_.target_logprobs = reinterpret_cast<float*>(base + out_at[0]);
+    auto out = [&](size_t i) { return out_block_ + out_at_[i]; };
+    if (ids_count > 0) outputs_.target_logprobs = reinterpret_cast<float*>(out(0));
     outputs_.top_k = job_.top_k;
     if (topk_count > 0) {
-      outputs_.top_k_ids = reinterpret_cast<int32_t*>(base + out_at[1]);
-      outputs_.top_k_logprobs = reinterpret_cast<float*>(base + out_at[2]);
+      outputs_.top_k_ids = reinterpret_cast<int32_t*>(out(1));
+      outputs_.top_k_logprobs = reinterpret_cast<float*>(out(2));
     }
-    if (job_.entropy) outputs_.entropy = reinterpret_cast<float*>(base + out_at[3]);
-    if (job_.reference_entropy)
-      outputs_.reference_entropy = reinterpret_cast<float*>(base + out_at[4]);
-    if (job_.forward_kl) outputs_.forward_kl = reinterpret_cast<float*>(base + out_at[5]);
-    if (job_.reverse_kl) outputs_.reverse_kl = reinterpret_cast<float*>(base + out_at[6]);
-    if (job_.jsd_beta) outputs_.jsd = reinterpret_cast<float*>(base + out_at[7]);
+    if (job_.entropy) outputs_.entropy = reinterpret_cast<float*>(out(3));
+    if (job_.reference_entropy) outputs_.reference_entropy = reinterpret_cast<float*>(out(4));
+    if (job_.forward_kl) outputs_.forward_kl = reinterpret_cast<float*>(out(5));
+    if (job_.reverse_kl) outputs_.reverse_kl = reinterpret_cast<float*>(out(6));
+    if (job_.jsd_beta) outputs_.jsd = reinterpret_cast<float*>(out(7));
     outputs_.jsd_endpoint = plan_.jsd_endpoint;
   }
   // Pinned staging for the small host <-> device copies: a copy from or to pageable memory is
   // staged by the driver and synchronous (~10 us each on the H200 machine); these are
-  // asynchronous and the job waits once, at its end. Layout: ids, then each requested output.
-  const auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  size_t io_bytes = align(ids_count * sizeof(int32_t)) + align(2 * sizeof(int32_t));
-  if (reports_) {
-    io_bytes += align(ids_count * sizeof(float)) + 2 * align(topk_count * sizeof(float)) +
-                5 * align(n * sizeof(float));
-  }
-  LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_bytes));
+  // asynchronous and the job waits once, at its end. Layout: ids, then the output block.
+  io_outputs_at_ = (ids_count * sizeof(int32_t) + 255) / 256 * 256;
+  LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_outputs_at_ + out_block_bytes_));
   if (ids_count > 0) {
     std::memcpy(rank_.host_io.data(), job_.target_ids.data(), ids_count * sizeof(int32_t));
   }
-  io_outputs_at_ = align(ids_count * sizeof(int32_t));
-  uploads_pending_ = true;  // queued behind the first statistics launch (IssueUploads)
+  // The job's small set-up copies (target ids up, the bad-row sentinel) go on the GEMM stream
+  // now, where they run while the statistics kernel is launched and runs; the statistics stream
+  // waits for them (IssueUploads) only after its first statistics launch. On the statistics
+  // stream they sat between that kernel and the gather: ~4 us of copy latency on the critical
+  // path.
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), rank_.gemm_stream.get()));
+  if (ids_count > 0) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(ids_, rank_.host_io.data(), ids_count * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, rank_.gemm_stream.get()));
+  }
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.uploaded.get(), rank_.gemm_stream.get()));
+  uploads_pending_ = true;
   return absl::OkStatus();
 }
 
-// The job's small set-up copies (target ids up, the bad-row sentinel), queued on the stream
-// after the first statistics kernel rather than before it: nothing before the gather and the
-// fold reads them, and the statistics kernel then starts without waiting for them (a few us of
-// copy latency each on the critical path otherwise).
+// The statistics stream waits for Prepare's set-up copies: after the first statistics launch
+// (nothing before the gather and the fold reads them, so that kernel never waits for them), and at
+// the latest in Finish, so that nothing queued outlives the job.
 absl::Status RankWorker::IssueUploads() {
   if (!uploads_pending_) return absl::OkStatus();
   uploads_pending_ = false;
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), stream()));
-  const size_t ids_count = static_cast<size_t>(job_.rows) * static_cast<size_t>(job_.ids_per_row);
-  if (ids_count > 0) {
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-        ids_, rank_.host_io.data(), ids_count * sizeof(int32_t), cudaMemcpyHostToDevice, stream()));
-  }
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.uploaded.get(), 0));
   return absl::OkStatus();
 }
 
@@ -441,9 +481,14 @@ absl::Status RankWorker::WaitFor(cudaEvent_t event, const char* what) {
       absl::StrCat(what, " on GPU ", rank_.device, " (vocabulary shard ", rank_.index, ")"));
 }
 
-absl::Status RankWorker::WaitIdle(const char* what) {
+absl::Status RankWorker::JoinGemmStream() {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.gemm_idle.get(), gemm_stream()));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.gemm_idle.get(), 0));
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::WaitIdle(const char* what) {
+  LOGITSERVE_RETURN_IF_ERROR(JoinGemmStream());
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.idle.get(), stream()));
   return WaitFor(rank_.idle.get(), what);
 }
@@ -528,9 +573,7 @@ absl::Status RankWorker::Run() {
 absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {
   DeviceGuard guard(rank_.device);
   LOGITSERVE_RETURN_IF_ERROR(guard.status());
-  if (copy) {
-    LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
-  }
+  LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
   // Work still queued reads the request's memory and this rank's workspace: it must be done
   // before Score returns. The reporting rank's output copies go to pinned memory (asynchronous,
   // queued behind that work), so one wait after them covers both; every other rank waits here.
@@ -538,36 +581,53 @@ absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_b
     LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
   }
   if (copy && reports_) {
-    // Asynchronous copies into the pinned staging (see Prepare), one wait, then host copies.
-    uint8_t* io = rank_.host_io.data();
-    size_t at = io_outputs_at_;
-    std::vector<std::pair<std::pair<void*, size_t>, size_t>> back;  // (dst, bytes), staging at
-    auto copy_out = [&](auto& vec, const void* dev) -> absl::Status {
-      if (vec.empty() || dev == nullptr) return absl::OkStatus();
-      const size_t bytes = vec.size() * sizeof(vec[0]);
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          cudaMemcpyAsync(io + at, dev, bytes, cudaMemcpyDeviceToHost, stream()));
-      back.push_back({{vec.data(), bytes}, at});
-      at += (bytes + 255) / 256 * 256;
-      return absl::OkStatus();
-    };
-    for (absl::Status s :
-         {copy_out(result->target_logprobs, outputs_.target_logprobs),
-          copy_out(result->top_k_ids, outputs_.top_k_ids),
-          copy_out(result->top_k_logprobs, outputs_.top_k_logprobs),
-          copy_out(result->entropy, outputs_.entropy),
-          copy_out(result->reference_entropy, outputs_.reference_entropy),
-          copy_out(result->forward_kl, outputs_.forward_kl),
-          copy_out(result->reverse_kl, outputs_.reverse_kl), copy_out(result->jsd, outputs_.jsd)}) {
-      if (!s.ok()) return s;
-    }
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + at, first_bad_, 2 * sizeof(int32_t),
-                                                    cudaMemcpyDeviceToHost, stream()));
-    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("output copy"));
+    uint8_t* io = rank_.host_io.data() + io_outputs_at_;
+    const std::pair<void*, size_t> dst[] = {
+        {result->target_logprobs.data(), result->target_logprobs.size() * sizeof(float)},
+        {result->top_k_ids.data(), result->top_k_ids.size() * sizeof(int32_t)},
+        {result->top_k_logprobs.data(), result->top_k_logprobs.size() * sizeof(float)},
+        {result->entropy.data(), result->entropy.size() * sizeof(float)},
+        {result->reference_entropy.data(), result->reference_entropy.size() * sizeof(float)},
+        {result->forward_kl.data(), result->forward_kl.size() * sizeof(float)},
+        {result->reverse_kl.data(), result->reverse_kl.size() * sizeof(float)},
+        {result->jsd.data(), result->jsd.size() * sizeof(float)}};
     std::vector<HostCopy> copies;
-    for (const auto& [dst, from] : back) copies.push_back({dst.first, io + from, dst.second});
-    CopyOut(copies);
-    std::memcpy(first_bad, io + at, 2 * sizeof(int32_t));
+    for (size_t i = 0; i < out_bytes_.size(); ++i) {
+      if (out_bytes_[i] == 0) continue;
+      if (dst[i].second != out_bytes_[i]) {  // StartResult sized every requested output
+        return absl::InternalError(absl::StrCat("output ", i, " has ", dst[i].second,
+                                                " bytes, the job computed ", out_bytes_[i]));
+      }
+      copies.push_back({dst[i].first, io + out_at_[i], out_bytes_[i]});
+    }
+    // The output block into its pinned staging (see Prepare) in one asynchronous copy per host
+    // thread's piece, each followed by its event; thread i waits for piece i only, so the PCIe
+    // copy of later pieces overlaps the host copies of earlier ones. Piece 0 also brings the
+    // bad-row markers at the start of the block; the last event follows everything queued.
+    const SplitCopy split(std::move(copies));
+    LOGITSERVE_RETURN_IF_ERROR(JoinGemmStream());
+    const uint8_t* from = io;
+    for (size_t i = 0; i < split.threads(); ++i) {
+      const uint8_t* end = i + 1 == split.threads() ? io + out_block_bytes_ : split.Piece(i).second;
+      if (end != nullptr && end > from) {
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(const_cast<uint8_t*>(from),
+                                                        out_block_ + (from - io), end - from,
+                                                        cudaMemcpyDeviceToHost, stream()));
+        from = end;
+      }
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.output_pieces[i].get(), stream()));
+    }
+    std::vector<absl::Status> waited(split.threads());
+    auto run = [&](size_t i) {
+      waited[i] = WaitFor(rank_.output_pieces[i].get(), "output copy");
+      if (waited[i].ok()) split.Run(i);
+    };
+    std::vector<std::thread> threads;
+    for (size_t i = 1; i < split.threads(); ++i) threads.emplace_back(run, i);
+    run(0);
+    for (std::thread& t : threads) t.join();
+    for (absl::Status& w : waited) LOGITSERVE_RETURN_IF_ERROR(w);
+    std::memcpy(first_bad, io, 2 * sizeof(int32_t));
   }
   if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();
   return absl::OkStatus();

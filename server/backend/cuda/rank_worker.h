@@ -119,6 +119,8 @@ class RankWorker {
   // another rank abandons the wait).
   absl::Status WaitFor(cudaEvent_t event, const char* what);
   absl::Status WaitIdle(const char* what);
+  // Makes `stream` wait for everything queued on gemm_stream so far.
+  absl::Status JoinGemmStream();
   // CudaBackendOptions::test_fault on this rank, at the end of the job's first tile.
   absl::Status InjectFault();
   cudaStream_t stream() const { return rank_.stream.get(); }
@@ -151,7 +153,14 @@ class RankWorker {
   k::RowStats* folded_b_ = nullptr;
   int32_t* first_bad_ = nullptr;
   int32_t* ids_ = nullptr;
-  size_t io_outputs_at_ = 0;  // where the outputs start in rank_.host_io
+  // The output block: first_bad_ at 0, then output i (target logprobs, top-k ids, top-k
+  // logprobs, entropy, reference entropy, forward KL, reverse KL, JSD) at out_at_[i] when
+  // out_bytes_[i] > 0 (requested, reporting rank).
+  uint8_t* out_block_ = nullptr;
+  size_t out_block_bytes_ = 0;
+  std::array<size_t, 8> out_bytes_{};
+  std::array<size_t, 8> out_at_{};
+  size_t io_outputs_at_ = 0;  // where the output block's staging starts in rank_.host_io
   bool uploads_pending_ = false;
   kc::RowOutputs outputs_;
 };
