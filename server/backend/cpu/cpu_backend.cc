@@ -1,4 +1,5 @@
-// CpuBackend: the always-built backend. Same algorithm and block structure as the CUDA backend:
+// CpuBackend: the always-built backend. Same algorithm, block structure and tile loop
+// (server/backend/sharded_job.h) as the CUDA backend:
 //
 //   for each tile of kRowTile rows:
 //     each shard (a rank, in its own thread) computes per-block statistics of its vocabulary
@@ -32,6 +33,7 @@
 #include "server/backend/cpu/cpu_tile_gemm.h"
 #include "server/backend/job_failure.h"
 #include "server/backend/shard_layout.h"
+#include "server/backend/sharded_job.h"
 
 namespace logitserve {
 namespace {
@@ -64,13 +66,11 @@ struct TileMessageLayout {
   int64_t max_blocks;  // widest shard, in blocks
   int64_t top_k;
   int64_t ids_per_row;
-  size_t failed_offset, stats_offset, topk_offset, count_offset, target_offset, bytes;
+  size_t stats_offset, topk_offset, count_offset, target_offset, bytes;
 
   TileMessageLayout(int64_t max_blocks_in, int64_t top_k_in, int64_t ids_in)
       : rows(kRowTile), max_blocks(max_blocks_in), top_k(top_k_in), ids_per_row(ids_in) {
-    failed_offset = 0;  // int32: this rank failed the tile (so every rank stops together)
-    stats_offset =
-        alignof(k::PairBlockStats) > sizeof(int32_t) ? alignof(k::PairBlockStats) : sizeof(int32_t);
+    stats_offset = 0;
     topk_offset = stats_offset + sizeof(k::PairBlockStats) * rows * max_blocks;
     count_offset = topk_offset + sizeof(k::TopKEntry) * rows * top_k;
     target_offset = count_offset + sizeof(int32_t) * rows;
@@ -83,6 +83,7 @@ struct RankContext {
   const ScoreJob* job;
   ScoreResult* result;  // written by rank 0 only
   Communicator* comm;
+  JobFailure* failure;  // shared by the job's ranks
   const std::vector<ShardRange>* layout;
   int threads;
 };
@@ -156,7 +157,8 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CpuBackend::PrepareHead(
 
 // ---- One rank's work ---------------------------------------------------------------------
 
-class RankWorker {
+// One shard's part of a job, on its own thread: the tile loop's hooks (sharded_job.h).
+class RankWorker final : public ShardedRank {
  public:
   explicit RankWorker(const RankContext& ctx)
       : ctx_(ctx),
@@ -187,11 +189,14 @@ class RankWorker {
                            int64_t rows, int64_t block, float* scratch, void* gemm_scratch,
                            std::vector<const float*>* row_ptrs) const;
 
-  absl::Status ComputeTile(int64_t row0, int64_t rows);
   void ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
                          std::vector<float>* tile) const;
-  absl::Status FoldTile(int64_t row0, int64_t rows);
-  absl::Status JsdTile(int64_t row0, int64_t rows);
+  // ShardedRank.
+  absl::Status ComputeTile(int64_t row0, int64_t rows) override;
+  absl::Status Exchange(TileExchange what) override;
+  absl::Status FoldTile(int64_t row0, int64_t rows) override;
+  absl::Status JsdTile(int64_t row0, int64_t rows) override;
+  absl::Status JsdFinish(int64_t row0, int64_t rows) override;
 
   const RankContext& ctx_;
   const ScoreJob& job_;
@@ -207,6 +212,7 @@ class RankWorker {
   const TileMessageLayout msg_;
 
   std::vector<uint8_t> send_, recv_;
+  std::vector<float> partial_, partial_all_;  // JSD partials [kRowTile, max_blocks]: own, gathered
   std::vector<float> hidden_model_, hidden_ref_;  // [kRowTile, H] fp32 row tiles
   std::vector<float> keep_model_, keep_ref_;      // hidden mode + JSD: tile logits [rows, V_shard]
   std::vector<k::RowStats> model_rows_, ref_rows_;  // folded per row of the tile
@@ -465,7 +471,7 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   const float beta = *job_.jsd_beta;
   const int64_t shard_width = shard_.end - shard_.begin;
-  std::vector<float> partial(static_cast<size_t>(kRowTile * msg_.max_blocks) + 1, 0.0f);
+  std::fill(partial_.begin(), partial_.end(), 0.0f);
   std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
 #pragma omp parallel num_threads(ctx_.threads)
   {
@@ -499,7 +505,7 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
         const k::RowStats& ms = model_rows_[static_cast<size_t>(r)];
         const k::RowStats& rs = ref_rows_[static_cast<size_t>(r)];
         if (k::AllMasked(ms) || k::AllMasked(rs)) continue;
-        partial[static_cast<size_t>(r * msg_.max_blocks + lb)] =
+        partial_[static_cast<size_t>(r * msg_.max_blocks + lb)] =
             k::CpuJsdBlock(zm[static_cast<size_t>(r)], zr[static_cast<size_t>(r)], n, k::NormOf(ms),
                            k::NormOf(rs), beta);
       }
@@ -509,14 +515,18 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   for (const auto& s : status) {
     if (!s.ok()) local = s;
   }
-  partial.back() = local.ok() ? 0.0f : 1.0f;  // failure word, as in the tile exchange
-  const size_t bytes = partial.size() * sizeof(float);
-  std::vector<float> all(partial.size() * static_cast<size_t>(ctx_.comm->size()));
-  LOGITSERVE_RETURN_IF_ERROR(ctx_.comm->AllGather(partial.data(), all.data(), bytes));
-  if (!local.ok()) return local;
-  for (int r = 0; r < ctx_.comm->size(); ++r) {
-    if (all[static_cast<size_t>(r + 1) * partial.size() - 1] != 0.0f) return PeerFailed(r);
+  return local;
+}
+
+absl::Status RankWorker::Exchange(TileExchange what) {
+  if (what == TileExchange::kStatistics) {
+    return ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes);
   }
+  return ctx_.comm->AllGather(partial_.data(), partial_all_.data(),
+                              partial_.size() * sizeof(float));
+}
+
+absl::Status RankWorker::JsdFinish(int64_t row0, int64_t rows) {
   if (rank_ != 0) return absl::OkStatus();
   const auto& layout = *ctx_.layout;
   for (int64_t r = 0; r < rows; ++r) {
@@ -524,8 +534,8 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
     for (const auto& s : layout) {  // shards are contiguous and ordered: global block order
       const int64_t nb = (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock;
       for (int64_t lb = 0; lb < nb; ++lb) {
-        sum += all[static_cast<size_t>(s.shard) * partial.size() +
-                   static_cast<size_t>(r * msg_.max_blocks + lb)];
+        sum += partial_all_[static_cast<size_t>(s.shard) * partial_.size() +
+                            static_cast<size_t>(r * msg_.max_blocks + lb)];
       }
     }
     const bool masked = k::AllMasked(model_rows_[static_cast<size_t>(r)]) ||
@@ -538,35 +548,20 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::Run() {
   send_.assign(msg_.bytes, 0);
   recv_.assign(msg_.bytes * static_cast<size_t>(ctx_.comm->size()), 0);
+  if (jsd_pass_) {
+    partial_.assign(static_cast<size_t>(kRowTile * msg_.max_blocks), 0.0f);
+    partial_all_.assign(partial_.size() * static_cast<size_t>(ctx_.comm->size()), 0.0f);
+  }
   if (keep_logits_) {
     const size_t n = static_cast<size_t>(kRowTile * (shard_.end - shard_.begin));
     keep_model_.assign(n, 0.0f);
     keep_ref_.assign(n, 0.0f);
   }
-  for (int64_t row0 = 0; row0 < job_.rows; row0 += kRowTile) {
-    const int64_t rows = std::min(kRowTile, job_.rows - row0);
-    // A stop (cancelled / expired) travels like a failure: every rank ends at this tile.
-    absl::Status s = job_.CheckStop(rows);
-    if (s.ok()) s = ComputeTile(row0, rows);
-    // Every rank joins every exchange even after a local failure, and the exchange carries the
-    // failure, so all ranks stop at the same point and none is left waiting in a collective.
-    *reinterpret_cast<int32_t*>(send_.data() + msg_.failed_offset) = s.ok() ? 0 : 1;
-    if (absl::Status g = ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes); !g.ok()) {
-      return g;
-    }
-    if (!s.ok()) return s;
-    for (int r = 0; r < ctx_.comm->size(); ++r) {
-      if (*reinterpret_cast<const int32_t*>(recv_.data() + static_cast<size_t>(r) * msg_.bytes +
-                                            msg_.failed_offset) != 0) {
-        return PeerFailed(r);
-      }
-    }
-    LOGITSERVE_RETURN_IF_ERROR(FoldTile(row0, rows));
-    if (jsd_pass_) {
-      LOGITSERVE_RETURN_IF_ERROR(JsdTile(row0, rows));
-    }
-  }
-  return absl::OkStatus();
+  ShardedJobPlan tiles;
+  tiles.tile_rows = kRowTile;
+  tiles.jsd_pass = jsd_pass_;
+  tiles.rank = rank_;
+  return RunShardedJob(job_, tiles, *ctx_.failure, *this);
 }
 
 absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
@@ -578,8 +573,9 @@ absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
   LOGITSERVE_ASSIGN_OR_RETURN(auto comms, CreateInProcessCommunicators(shards));
   const int threads = std::max(1, options_.threads / shards);
   std::vector<absl::Status> status(static_cast<size_t>(shards));
+  JobFailure failure(shards);
   auto run_rank = [&](int r) {
-    RankContext ctx{&job, result, comms[static_cast<size_t>(r)].get(), &layout, threads};
+    RankContext ctx{&job, result, comms[static_cast<size_t>(r)].get(), &failure, &layout, threads};
     status[static_cast<size_t>(r)] = RankWorker(ctx).Run();
   };
   std::vector<std::thread> others;
