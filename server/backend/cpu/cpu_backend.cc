@@ -28,6 +28,7 @@
 #include "common/base/status_macros.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
+#include "logitserve/kernels/row_finisher.h"
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
 #include "server/backend/cpu/cpu_tile_gemm.h"
@@ -419,23 +420,35 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   if (rank_ != 0) return absl::OkStatus();
 
   ScoreResult& out = *ctx_.result;
+  k::RowOutputs outputs;
+  outputs.target_ids = job_.target_ids.data();
+  outputs.ids_per_row = static_cast<int32_t>(job_.ids_per_row);
+  outputs.ignore_index = job_.ignore_index;
+  if (job_.ids_per_row > 0) outputs.target_logprobs = out.target_logprobs.data();
+  outputs.top_k = static_cast<int32_t>(job_.top_k);
+  if (job_.top_k > 0) {
+    outputs.top_k_ids = out.top_k_ids.data();
+    outputs.top_k_logprobs = out.top_k_logprobs.data();
+  }
+  if (job_.entropy) outputs.entropy = out.entropy.data();
+  if (job_.reference_entropy) outputs.reference_entropy = out.reference_entropy.data();
+  if (job_.forward_kl) outputs.forward_kl = out.forward_kl.data();
+  if (job_.reverse_kl) outputs.reverse_kl = out.reverse_kl.data();
+  if (job_.jsd_beta) outputs.jsd = out.jsd.data();
+  outputs.jsd_endpoint = k::JsdEndpoint(job_.jsd_beta.has_value(), job_.jsd_beta.value_or(0.0f));
+  std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
     const k::RowStats& m = model_rows_[static_cast<size_t>(r)];
-    for (int64_t j = 0; j < job_.ids_per_row; ++j) {
-      const size_t idx = static_cast<size_t>(row * job_.ids_per_row + j);
-      const int32_t id = job_.target_ids[idx];
-      if (id == job_.ignore_index) {
-        out.target_logprobs[idx] = 0.0f;
-        continue;
-      }
-      const int o = owner[static_cast<size_t>(id / k::kVocabBlock)];
-      const float z =
-          reinterpret_cast<const float*>(record(o) + msg_.target_offset)[r * job_.ids_per_row + j];
-      out.target_logprobs[idx] = k::LogProb(z, m);
-    }
+    // The row finisher (row_finisher.h, shared with the CUDA fold kernel); this backend's part is
+    // finding a target's logit in its owner's message and the top-k merge.
+    k::FinishRow(outputs, row, m, ref_rows_[static_cast<size_t>(r)],
+                 pair_rows_[static_cast<size_t>(r)], [&](int32_t j, int32_t id) {
+                   const int holder = owner[static_cast<size_t>(id / k::kVocabBlock)];
+                   return reinterpret_cast<const float*>(
+                       record(holder) + msg_.target_offset)[r * job_.ids_per_row + j];
+                 });
     if (job_.top_k > 0) {
-      std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
       int count = 0;
       for (int o = 0; o < ctx_.comm->size(); ++o) {
         const auto* l =
@@ -443,26 +456,9 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
         const int c = reinterpret_cast<const int32_t*>(record(o) + msg_.count_offset)[r];
         k::TopKMerge(l, c, job_.top_k, list.data(), &count);
       }
-      for (int64_t j = 0; j < job_.top_k; ++j) {
-        const size_t idx = static_cast<size_t>(row * job_.top_k + j);
-        out.top_k_ids[idx] = list[static_cast<size_t>(j)].id;
-        out.top_k_logprobs[idx] = k::LogProb(list[static_cast<size_t>(j)].value, m);
+      for (int32_t j = 0; j < outputs.top_k; ++j) {
+        k::FinishTopKEntry(outputs, row, j, j < count ? &list[static_cast<size_t>(j)] : nullptr, m);
       }
-    }
-    if (job_.entropy) out.entropy[static_cast<size_t>(row)] = k::Entropy(m);
-    if (job_.reference_entropy)
-      out.reference_entropy[static_cast<size_t>(row)] =
-          k::Entropy(ref_rows_[static_cast<size_t>(r)]);
-    // Model = a, reference = b: forward KL(ref || model) = KL(b || a).
-    if (job_.forward_kl || (job_.jsd_beta && *job_.jsd_beta == 0.0f)) {
-      const float f = k::KlBA(pair_rows_[static_cast<size_t>(r)]);
-      if (job_.forward_kl) out.forward_kl[static_cast<size_t>(row)] = f;
-      if (job_.jsd_beta && *job_.jsd_beta == 0.0f) out.jsd[static_cast<size_t>(row)] = f;
-    }
-    if (job_.reverse_kl || (job_.jsd_beta && *job_.jsd_beta == 1.0f)) {
-      const float rv = k::KlAB(pair_rows_[static_cast<size_t>(r)]);
-      if (job_.reverse_kl) out.reverse_kl[static_cast<size_t>(row)] = rv;
-      if (job_.jsd_beta && *job_.jsd_beta == 1.0f) out.jsd[static_cast<size_t>(row)] = rv;
     }
   }
   return absl::OkStatus();

@@ -36,6 +36,7 @@
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"  // TopKEntry, Better, kMaxTopK (shared definitions)
 #include "logitserve/kernels/dtype.h"
+#include "logitserve/kernels/row_finisher.h"
 
 namespace logitserve::kernels::cuda {
 
@@ -142,23 +143,8 @@ struct FoldedRows {
   RowStats* b = nullptr;
 };
 
-// Job-wide outputs, indexed by global row (tile row + row0); a null pointer = not requested.
-struct RowOutputs {
-  const int32_t* target_ids = nullptr;  // [N * ids_per_row]
-  int32_t ids_per_row = 0;
-  int32_t ignore_index = -100;
-  float* target_logprobs = nullptr;  // [N * ids_per_row]
-  int32_t top_k = 0;
-  int32_t* top_k_ids = nullptr;     // [N * top_k]
-  float* top_k_logprobs = nullptr;  // [N * top_k]
-  float* entropy = nullptr;         // H(model)
-  float* reference_entropy = nullptr;
-  float* forward_kl = nullptr;  // KL(reference || model) = KlBA (a = model, b = reference)
-  float* reverse_kl = nullptr;  // KL(model || reference) = KlAB
-  // JSD at an endpoint copies a KL's bits: 1 = beta 0 (forward KL), 2 = beta 1 (reverse KL).
-  float* jsd = nullptr;
-  int32_t jsd_endpoint = 0;
-};
+// Job-wide outputs (row_finisher.h), device memory, indexed by global row (tile row + row0).
+using ::logitserve::kernels::RowOutputs;
 
 // One thread per row: folds the gathered records in global block order (FoldBlock /
 // FoldPairBlock), stores the folded rows, records the first global row whose model (index 0) or
