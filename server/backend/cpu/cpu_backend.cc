@@ -29,6 +29,7 @@
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
 #include "logitserve/kernels/row_finisher.h"
+#include "logitserve/kernels/tile_message.h"
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
 #include "server/backend/cpu/cpu_tile_gemm.h"
@@ -60,24 +61,6 @@ class CpuHead final : public PreparedHead {
 int64_t BlockWidth(int64_t vocab, int64_t block) {
   return std::min(k::kVocabBlock, vocab - block * k::kVocabBlock);
 }
-
-// What one rank sends per row tile. Fixed size on every rank (padded to the widest shard).
-struct TileMessageLayout {
-  int64_t rows;        // kRowTile
-  int64_t max_blocks;  // widest shard, in blocks
-  int64_t top_k;
-  int64_t ids_per_row;
-  size_t stats_offset, topk_offset, count_offset, target_offset, bytes;
-
-  TileMessageLayout(int64_t max_blocks_in, int64_t top_k_in, int64_t ids_in)
-      : rows(kRowTile), max_blocks(max_blocks_in), top_k(top_k_in), ids_per_row(ids_in) {
-    stats_offset = 0;
-    topk_offset = stats_offset + sizeof(k::PairBlockStats) * rows * max_blocks;
-    count_offset = topk_offset + sizeof(k::TopKEntry) * rows * top_k;
-    target_offset = count_offset + sizeof(int32_t) * rows;
-    bytes = target_offset + sizeof(float) * rows * ids_per_row;
-  }
-};
 
 // Everything a rank needs for one job.
 struct RankContext {
@@ -171,7 +154,7 @@ class RankWorker final : public ShardedRank {
         with_ref_(job_.NeedsReference()),
         jsd_pass_(job_.jsd_beta.has_value() && *job_.jsd_beta > 0.0f && *job_.jsd_beta < 1.0f),
         keep_logits_(jsd_pass_ && (job_.model.hidden_mode() || job_.reference.hidden_mode())),
-        msg_(MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row) {}
+        msg_(k::MakeTileMessage(kRowTile, MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row)) {}
 
   absl::Status Run();
 
@@ -210,7 +193,7 @@ class RankWorker final : public ShardedRank {
   // JSD with a hidden-mode side: the tile's logits are kept for the second pass rather than
   // recomputed (one [kRowTile, V_shard] buffer per distribution).
   const bool keep_logits_;
-  const TileMessageLayout msg_;
+  const k::TileMessage msg_;  // what this rank sends per row tile (padded to the widest shard)
 
   std::vector<uint8_t> send_, recv_;
   std::vector<float> partial_, partial_all_;  // JSD partials [kRowTile, max_blocks]: own, gathered
@@ -261,17 +244,8 @@ absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* h
       !s.ok()) {
     return s;
   }
-  const HeadTransform& ht = head.weights().transform;
-  k::LogitTransform t;
+  k::LogitTransform t = HeadLogitTransform(head.weights().transform, in.temperature);
   t.bias = head.bias.empty() ? nullptr : head.bias.data() + col0;
-  if (ht.logits_scaling != 1.0f) {
-    t.scale = ht.logits_scaling;
-    t.divide_by_scale = true;
-  } else {
-    t.scale = ht.logit_scale;
-  }
-  t.softcap = ht.softcap;
-  t.temperature = in.temperature;
   for (int64_t r = 0; r < rows; ++r) {
     float* z = scratch + r * k::kVocabBlock;
     k::CpuApplyTransform(t, z, n);

@@ -70,16 +70,7 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
   } else {
     d.head = static_cast<const CudaHead*>(in.head.get());
     d.hidden_parts = kc::PartsFor(in.hidden.type);
-    const HeadTransform& ht = d.head->weights().transform;
-    d.transform.head = true;
-    if (ht.logits_scaling != 1.0f) {  // the CPU backend's choice, kept identical
-      d.transform.scale = ht.logits_scaling;
-      d.transform.divide_by_scale = true;
-    } else {
-      d.transform.scale = ht.logit_scale;
-    }
-    d.transform.softcap = ht.softcap;
-    d.transform.temperature = in.temperature;
+    d.transform = HeadLogitTransform(d.head->weights().transform, in.temperature);
     if (shard_width_ > 0) {
       const size_t h = static_cast<size_t>(in.hidden.cols);
       off[1] = carver.Add(rows * h * static_cast<size_t>(k::SizeOf(in.hidden.type)));
