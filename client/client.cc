@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/pipeline.h"
 #include "client/request_split.h"
+#include "common/base/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -298,7 +299,7 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
   if (plan->size() == 1) {
     absl::StatusOr<v1::ScoreResponse> response = ScoreOnce(request);
     if (!response.ok()) return response.status();
-    if (absl::Status s = AppendChunkResponse(*response, plan->front(), out); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(AppendChunkResponse(*response, plan->front(), out));
     return out;
   }
 
@@ -315,7 +316,7 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
                                                  plan->size(), " chunks by the server's limits): ",
                                                  RebaseRowNumbers(s.message(), chunk.row_begin)));
     }
-    if (absl::Status s = AppendChunkResponse(*response, chunk, out); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(AppendChunkResponse(*response, chunk, out));
     // Pin the versions the first chunk used: a head swapped mid-request then fails the later
     // chunks with FAILED_PRECONDITION rather than mixing two heads' outputs.
     if (!without_rows.has_head_version() && response->head_version() != 0) {
@@ -421,7 +422,7 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
           "/", response.reference_head_version(), ", earlier rows on ", out.head_version, "/",
           out.reference_head_version, "); pin head_version or retry"));
     }
-    if (absl::Status s = AppendChunkResponse(response, plan[i], out); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(AppendChunkResponse(response, plan[i], out));
   }
   out.request_id = request.request_id();
   return out;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "client/tensor.h"
+#include "common/base/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/field_mask.pb.h"
 #include "google/protobuf/util/field_mask_util.h"
@@ -43,7 +44,7 @@ std::vector<RowTensor> PresentRowTensors(const v1::ScoreRequest& r) {
 absl::StatusOr<int64_t> BytesPerRow(const std::vector<RowTensor>& tensors, int64_t rows) {
   int64_t total = 0;
   for (const RowTensor& t : tensors) {
-    if (absl::Status s = CheckTensor(*t.tensor, t.field); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(CheckTensor(*t.tensor, t.field));
     if (t.tensor->shape_size() < 1 || t.tensor->shape(0) != rows) {
       return absl::InvalidArgumentError(absl::StrCat(
           t.field, ": first dimension ",
@@ -258,7 +259,7 @@ absl::Status AppendChunkResponse(const v1::ScoreResponse& response, const RowChu
                          CheckSize("forward_kl", response.forward_kl_size(), n, 1),
                          CheckSize("reverse_kl", response.reverse_kl_size(), n, 1),
                          CheckSize("jsd", response.jsd_size(), n, 1)}) {
-    if (!s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(s);
   }
   out.rows += n;
   Append(out.target_logprobs, response.target_logprobs());

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status_macros.h"
 #include "common/wire/dtype.h"
 #include "logitserve/kernels/dtype.h"
 
@@ -118,7 +119,7 @@ absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field) {
 }
 
 absl::StatusOr<std::vector<float>> FloatsOf(const v1::Tensor& tensor) {
-  if (absl::Status s = CheckTensor(tensor, "tensor"); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(CheckTensor(tensor, "tensor"));
   if (tensor.has_shared_memory()) {
     return absl::InvalidArgumentError("tensor: its bytes are in shared memory, not in data");
   }
@@ -135,7 +136,7 @@ absl::StatusOr<std::vector<float>> FloatsOf(const v1::Tensor& tensor) {
 }
 
 absl::StatusOr<std::vector<int64_t>> IntsOf(const v1::Tensor& tensor) {
-  if (absl::Status s = CheckTensor(tensor, "tensor"); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(CheckTensor(tensor, "tensor"));
   if (tensor.has_shared_memory()) {
     return absl::InvalidArgumentError("tensor: its bytes are in shared memory, not in data");
   }

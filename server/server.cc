@@ -9,6 +9,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "common/version/build_info.h"
 #include "server/backend/fault_injection.h"
 #include "server/heads/head_loader.h"
@@ -152,7 +153,7 @@ Server::~Server() = default;
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
   std::unique_ptr<Server> server(new Server(options));
-  if (absl::Status s = server->Start(); !s.ok()) return s;
+  LOGITSERVE_RETURN_IF_ERROR(server->Start());
   return server;
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status_macros.h"
 #include "common/safetensors/float_type.h"
 #include "common/safetensors/safetensors.h"
 #include "common/wire/dtype.h"
@@ -112,7 +113,7 @@ absl::StatusOr<ScoreInput> LoadScoreInput(const std::string& path) {
       input.ignored_tensors.push_back(name);
       continue;
     }
-    if (absl::Status s = CopyTensor(*file, name, integer, min_rank, 2, *dst); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(CopyTensor(*file, name, integer, min_rank, 2, *dst));
     if (dst->shape(0) != rows) {
       return absl::InvalidArgumentError(absl::StrCat(
           path, ": tensor '", name, "' has ", dst->shape(0), " rows but '", model, "' has ", rows));

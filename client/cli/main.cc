@@ -24,6 +24,7 @@
 #include "client/cli/output.h"
 #include "client/client.h"
 #include "common/base/read_file.h"
+#include "common/base/status_macros.h"
 #include "common/version/build_info.h"
 
 namespace logitserve::client {
@@ -83,9 +84,7 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const ConnectionFlags& f,
   options.rpc_timeout = absl::Seconds(f.timeout_s);
   options.max_attempts = f.attempts;
   if (!f.auth_token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadFile(f.auth_token_file);
-    if (!token.ok()) return token.status();
-    std::string t = *token;
+    LOGITSERVE_ASSIGN_OR_RETURN(std::string t, ReadFile(f.auth_token_file));
     while (!t.empty() && (t.back() == '\n' || t.back() == '\r' || t.back() == ' ')) t.pop_back();
     options.bearer_token = t;
   }
@@ -94,9 +93,7 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const ConnectionFlags& f,
                            std::pair{&f.tls_cert_file, &options.tls_client_cert},
                            std::pair{&f.tls_key_file, &options.tls_client_key}}) {
     if (path->empty()) continue;
-    absl::StatusOr<std::string> pem = ReadFile(*path);
-    if (!pem.ok()) return pem.status();
-    *dst = *pem;
+    LOGITSERVE_ASSIGN_OR_RETURN(*dst, ReadFile(*path));
   }
   return Client::Create(f.target, std::move(options));
 }

@@ -302,7 +302,9 @@ void CpuToFloat(FloatType type, const void* src, int64_t n, float temperature, f
   HWY_DYNAMIC_DISPATCH(ToFloatImpl)(type, src, n, temperature, dst);
 }
 void CpuApplyTransform(const LogitTransform& t, float* z, int64_t n) {
-  if (!t.IsIdentity()) HWY_DYNAMIC_DISPATCH(ApplyTransformImpl)(t, z, n);
+  const bool identity =
+      t.bias == nullptr && t.scale == 1.0f && t.softcap == 0.0f && t.temperature == 1.0f;
+  if (!identity) HWY_DYNAMIC_DISPATCH(ApplyTransformImpl)(t, z, n);
 }
 BlockStats CpuBlockStats(const float* z, int64_t n) {
   return HWY_DYNAMIC_DISPATCH(BlockStatsImpl)(z, n);

@@ -177,23 +177,6 @@ cudaError_t LaunchJsdPartials(const LogitsSource& s, const LogitsSource& t, int6
   return LaunchOnSources</*kPairOnly=*/true>(s, &t, rows, op, stream);
 }
 
-TileMessage MakeTileMessage(int64_t rows, int64_t max_blocks, int32_t top_k, int32_t ids_per_row) {
-  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
-  TileMessage m;
-  m.rows = rows;
-  m.max_blocks = max_blocks;
-  m.top_k = top_k;
-  m.ids_per_row = ids_per_row;
-  const size_t r = static_cast<size_t>(rows);
-  m.stats_offset = 0;
-  m.topk_offset =
-      align(m.stats_offset + sizeof(PairBlockStats) * r * static_cast<size_t>(max_blocks));
-  m.count_offset = align(m.topk_offset + sizeof(TopKEntry) * r * static_cast<size_t>(top_k));
-  m.target_offset = align(m.count_offset + sizeof(int32_t) * r);
-  m.bytes = align(m.target_offset + sizeof(float) * r * static_cast<size_t>(ids_per_row));
-  return m;
-}
-
 cudaError_t CheckKernelImage() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(

@@ -41,37 +41,20 @@ __device__ void CopyOneRankTopK(const GatheredTile& t, int64_t r, int64_t row, c
       reinterpret_cast<const TopKEntry*>(t.messages + t.layout.topk_offset) + r * o.top_k;
   const int count = reinterpret_cast<const int32_t*>(t.messages + t.layout.count_offset)[r];
   for (int32_t j = lane; j < o.top_k; j += 32) {
-    const int64_t idx = row * o.top_k + j;
-    if (j >= count) {  // cannot happen for top_k <= vocab; keep the output defined anyway
-      o.top_k_ids[idx] = -1;
-      o.top_k_logprobs[idx] = QuietNaN();
-      continue;
-    }
-    const TopKEntry e = list[j];
-    o.top_k_ids[idx] = e.id;
-    o.top_k_logprobs[idx] = LogProb(e.value, a);
+    FinishTopKEntry(o, row, j, j < count ? &list[j] : nullptr, a);
   }
 }
 
 __device__ void WriteOutputs(const GatheredTile& t, int64_t r, int64_t row, const RowStats& a,
                              const RowStats& b, const PairRowStats& pair, const RowOutputs& o,
                              bool topk_done) {
-  if (o.target_logprobs != nullptr) {
-    auto targets = [&](int rank) {
-      return reinterpret_cast<const float*>(
-          t.messages + static_cast<size_t>(rank) * t.layout.bytes + t.layout.target_offset);
-    };
-    for (int32_t j = 0; j < o.ids_per_row; ++j) {
-      const int64_t idx = row * o.ids_per_row + j;
-      const int32_t id = o.target_ids[idx];
-      if (id == o.ignore_index) {
-        o.target_logprobs[idx] = 0.0f;
-        continue;
-      }
-      const int owner = OwnerOf(t.shards, id / kVocabBlock);
-      o.target_logprobs[idx] = LogProb(targets(owner)[r * o.ids_per_row + j], a);
-    }
-  }
+  // The row finisher (row_finisher.h, shared with the CPU backend); this kernel's part is finding
+  // a target's logit in the message of the rank whose columns hold it, and the k-way top-k merge.
+  FinishRow(o, row, a, b, pair, [&](int32_t j, int32_t id) {
+    const int owner = OwnerOf(t.shards, id / kVocabBlock);
+    return reinterpret_cast<const float*>(t.messages + static_cast<size_t>(owner) * t.layout.bytes +
+                                          t.layout.target_offset)[r * o.ids_per_row + j];
+  });
   if (o.top_k > 0 && !topk_done) {
     // Merge the ranks' sorted lists (their ids are disjoint, so Better decides every step).
     int pos[kMaxRanks];
@@ -91,29 +74,8 @@ __device__ void WriteOutputs(const GatheredTile& t, int64_t r, int64_t row, cons
           best = q;
         }
       }
-      const int64_t idx = row * o.top_k + j;
-      if (best < 0) {  // cannot happen for top_k <= vocab; keep the output defined anyway
-        o.top_k_ids[idx] = -1;
-        o.top_k_logprobs[idx] = QuietNaN();
-        continue;
-      }
-      const TopKEntry e = lists[best][pos[best]++];
-      o.top_k_ids[idx] = e.id;
-      o.top_k_logprobs[idx] = LogProb(e.value, a);
+      FinishTopKEntry(o, row, j, best < 0 ? nullptr : &lists[best][pos[best]++], a);
     }
-  }
-  if (o.entropy != nullptr) o.entropy[row] = Entropy(a);
-  if (o.reference_entropy != nullptr) o.reference_entropy[row] = Entropy(b);
-  // Model = a, reference = b: forward KL(reference || model) = KL(b || a).
-  if (o.forward_kl != nullptr || o.jsd_endpoint == 1) {
-    const float f = KlBA(pair);
-    if (o.forward_kl != nullptr) o.forward_kl[row] = f;
-    if (o.jsd_endpoint == 1) o.jsd[row] = f;
-  }
-  if (o.reverse_kl != nullptr || o.jsd_endpoint == 2) {
-    const float rv = KlAB(pair);
-    if (o.reverse_kl != nullptr) o.reverse_kl[row] = rv;
-    if (o.jsd_endpoint == 2) o.jsd[row] = rv;
   }
 }
 

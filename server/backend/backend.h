@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "logitserve/kernels/dtype.h"
+#include "logitserve/kernels/logit_transform.h"
 #include "server/heads/head_weights.h"
 #include "server/heads/prepared_head.h"
 
@@ -96,6 +97,23 @@ struct ShardRange {
 // are left as they were, for the backend to overwrite every one), and checks the limits
 // every backend shares (top_k <= vocab and <= kernels::kMaxTopK). Backends call it first.
 absl::Status StartResult(const ScoreJob& job, ScoreResult* result);
+
+// A head's transform and a distribution's temperature as the kernels apply them (hidden mode);
+// the bias is left for the backend to point at its copy. Granite's divisor wins over Cohere's
+// multiplier when a config sets both (every backend makes this same choice).
+inline kernels::LogitTransform HeadLogitTransform(const HeadTransform& ht, float temperature) {
+  kernels::LogitTransform t;
+  t.head = true;
+  if (ht.logits_scaling != 1.0f) {
+    t.scale = ht.logits_scaling;
+    t.divide_by_scale = true;
+  } else {
+    t.scale = ht.logit_scale;
+  }
+  t.softcap = ht.softcap;
+  t.temperature = temperature;
+  return t;
+}
 
 class Backend {
  public:

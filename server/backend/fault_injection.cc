@@ -57,39 +57,66 @@ class FaultInjectingBackend final : public ForwardingBackend {
 
 }  // namespace
 
+TestFaultSpec::Kind TestFaultKind(const std::string& spec) {
+  using Kind = TestFaultSpec::Kind;
+  const absl::string_view kind = absl::string_view(spec).substr(0, spec.find(':'));
+  if (kind == "fatal-after") return Kind::kFatalAfter;
+  if (kind == "slow-tile") return Kind::kSlowTile;
+  if (kind == "slow-load") return Kind::kSlowLoad;
+  if (kind == "skip-collective") return Kind::kSkipCollective;
+  if (kind == "stall") return Kind::kStall;
+  if (kind == "sticky-error") return Kind::kStickyError;
+  return Kind::kNone;
+}
+
+absl::StatusOr<TestFaultSpec> ParseTestFault(const std::string& spec) {
+  TestFaultSpec f;
+  if (spec.empty()) return f;
+  f.kind = TestFaultKind(spec);
+  const size_t colon = spec.find(':');
+  if (f.kind == TestFaultSpec::Kind::kNone) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--test-fault '", spec, "': unknown fault '", absl::string_view(spec).substr(0, colon),
+        "' (fatal-after, slow-tile, slow-load, skip-collective, stall, sticky-error)"));
+  }
+  if (colon == std::string::npos ||
+      !absl::SimpleAtoi(absl::string_view(spec).substr(colon + 1), &f.value) || f.value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--test-fault '", spec, "': expected KIND:VALUE with VALUE an integer >= 0"));
+  }
+  return f;
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> WrapWithTestFault(std::unique_ptr<Backend> backend,
                                                            const std::string& spec) {
-  const size_t colon = spec.find(':');
-  const absl::string_view kind = absl::string_view(spec).substr(0, colon);
-  int64_t value = -1;
-  if (colon == std::string::npos ||
-      !absl::SimpleAtoi(absl::string_view(spec).substr(colon + 1), &value) || value < 0) {
+  using Kind = TestFaultSpec::Kind;
+  const Kind kind = TestFaultKind(spec);
+  absl::StatusOr<TestFaultSpec> f = ParseTestFault(spec);
+  if (kind != Kind::kFatalAfter && kind != Kind::kSlowTile) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--test-fault '", spec, "': unknown fault '",
+        absl::string_view(spec).substr(0, spec.find(':')), "' (fatal-after, slow-tile)"));
+  }
+  if (!f.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--test-fault '", spec, "': expected fatal-after:N or slow-tile:MS (N, MS >= 0)"));
   }
-  if (kind == "fatal-after") {
-    return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), value, 0));
+  if (kind == Kind::kFatalAfter) {
+    return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), f->value, 0));
   }
-  if (kind == "slow-tile") {
-    return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), -1, value));
-  }
-  return absl::InvalidArgumentError(absl::StrCat("--test-fault '", spec, "': unknown fault '", kind,
-                                                 "' (fatal-after, slow-tile)"));
+  return std::unique_ptr<Backend>(new FaultInjectingBackend(std::move(backend), -1, f->value));
 }
 
 bool IsCudaTestFault(const std::string& spec) {
-  for (const char* kind : {"skip-collective:", "stall:", "sticky-error:"}) {
-    if (spec.rfind(kind, 0) == 0) return true;
-  }
-  return false;
+  TestFaultSpec f;
+  f.kind = TestFaultKind(spec);
+  return f.cuda() && spec.find(':') != std::string::npos;
 }
 
 std::chrono::milliseconds SlowLoadDelay(const std::string& spec) {
-  constexpr char kSlowLoadFault[] = "slow-load:";
-  int ms = 0;
-  if (spec.rfind(kSlowLoadFault, 0) != 0) return std::chrono::milliseconds(0);
-  if (!absl::SimpleAtoi(spec.substr(sizeof(kSlowLoadFault) - 1), &ms) || ms < 0) ms = 0;
-  return std::chrono::milliseconds(ms);
+  absl::StatusOr<TestFaultSpec> f = ParseTestFault(spec);
+  if (!f.ok() || f->kind != TestFaultSpec::Kind::kSlowLoad) return std::chrono::milliseconds(0);
+  return std::chrono::milliseconds(f->value);
 }
 
 }  // namespace logitserve

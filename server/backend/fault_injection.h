@@ -9,13 +9,15 @@
 // Two more kinds are classified here, so every --test-fault SPEC is read in one place:
 //   slow-load:MS    the server sleeps MS before loading each head (signals during start-up);
 //   skip-collective:RANK, stall:RANK, sticky-error:RANK  injected by the CUDA backend itself (a
-//                   real skipped collective, stalled kernel or illegal address), parsed there.
+//                   real skipped collective, stalled kernel or illegal address); ParseTestFault
+//                   reads them too, the CUDA backend checks the rank.
 // Never enable it in production: it exists to be tested against.
 //
 // Thread safety: as the wrapped backend.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -24,11 +26,39 @@
 
 namespace logitserve {
 
-// INVALID_ARGUMENT naming --test-fault for a malformed SPEC.
+// --test-fault SPEC, parsed: KIND:VALUE. The one reader of the flag; the functions below and
+// the CUDA backend's own faults (server/backend/cuda/cuda_test_fault.h) all go through it.
+struct TestFaultSpec {
+  enum class Kind {
+    kNone,            // SPEC ""
+    kFatalAfter,      // fatal-after:N
+    kSlowTile,        // slow-tile:MS
+    kSlowLoad,        // slow-load:MS
+    kSkipCollective,  // skip-collective:RANK (CUDA)
+    kStall,           // stall:RANK (CUDA)
+    kStickyError,     // sticky-error:RANK (CUDA)
+  };
+  Kind kind = Kind::kNone;
+  int64_t value = 0;  // N, MS or RANK; >= 0
+  // Injected by the CUDA backend itself (CudaBackendOptions::test_fault).
+  bool cuda() const {
+    return kind == Kind::kSkipCollective || kind == Kind::kStall || kind == Kind::kStickyError;
+  }
+};
+
+// The kind SPEC names (the text before ':'), whatever its value; kNone for "" or an unknown kind.
+TestFaultSpec::Kind TestFaultKind(const std::string& spec);
+// "" gives kind kNone. INVALID_ARGUMENT for an unknown kind, or a VALUE that is not an integer
+// >= 0.
+absl::StatusOr<TestFaultSpec> ParseTestFault(const std::string& spec);
+
+// fatal-after:N or slow-tile:MS around `backend`; INVALID_ARGUMENT naming --test-fault for any
+// other SPEC.
 absl::StatusOr<std::unique_ptr<Backend>> WrapWithTestFault(std::unique_ptr<Backend> backend,
                                                            const std::string& spec);
 
-// True for the kinds the CUDA backend injects itself (CudaBackendOptions::test_fault).
+// True for the kinds the CUDA backend injects itself (CudaBackendOptions::test_fault), whatever
+// the value (the CUDA backend reports a bad one).
 bool IsCudaTestFault(const std::string& spec);
 
 // slow-load:MS: the delay before each head at start-up; zero for any other SPEC (or a bad MS).

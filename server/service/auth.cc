@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/read_file.h"
+#include "common/base/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 #include "openssl/bio.h"
 #include "openssl/err.h"
@@ -117,19 +118,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
     return absl::InvalidArgumentError(
         "--tls-cert and --tls-key must be given together (or neither, for plaintext)");
   }
-  absl::StatusOr<std::string> cert = ReadPemFile(cert_file, "--tls-cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPemFile(key_file, "--tls-key");
-  if (!key.ok()) return key.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::string cert, ReadPemFile(cert_file, "--tls-cert"));
+  LOGITSERVE_ASSIGN_OR_RETURN(std::string key, ReadPemFile(key_file, "--tls-key"));
 
-  X509Ptr x509 = FirstCertificate(*cert);
+  X509Ptr x509 = FirstCertificate(cert);
   if (x509 == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tls-cert: '", cert_file, "' holds no PEM certificate"));
   }
   PkeyPtr pkey;
   {
-    BioPtr bio = MemoryBio(*key);
+    BioPtr bio = MemoryBio(key);
     pkey.reset(bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr) : nullptr);
     ERR_clear_error();
   }
@@ -148,16 +147,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
 
   grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   if (!client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(client_ca_file, "--tls-client-ca");
-    if (!ca.ok()) return ca.status();
-    if (FirstCertificate(*ca) == nullptr) {
+    LOGITSERVE_ASSIGN_OR_RETURN(std::string ca, ReadPemFile(client_ca_file, "--tls-client-ca"));
+    if (FirstCertificate(ca) == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tls-client-ca: '", client_ca_file, "' holds no PEM certificate"));
     }
-    options.pem_root_certs = *std::move(ca);
+    options.pem_root_certs = std::move(ca);
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
-  options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
+  options.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
   return grpc::SslServerCredentials(options);
 }
 
@@ -213,16 +211,16 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 
 absl::StatusOr<std::unique_ptr<Authorizer>> Authorizer::FromFiles(
     const std::string& user_token_file, const std::string& admin_token_file) {
-  absl::StatusOr<std::string> user = ReadTokenFile(user_token_file, "--auth-token-file");
-  if (!user.ok()) return user.status();
-  absl::StatusOr<std::string> admin = ReadTokenFile(admin_token_file, "--admin-token-file");
-  if (!admin.ok()) return admin.status();
-  if (!user->empty() && ConstantTimeEquals(*user, *admin)) {
+  LOGITSERVE_ASSIGN_OR_RETURN(std::string user,
+                              ReadTokenFile(user_token_file, "--auth-token-file"));
+  LOGITSERVE_ASSIGN_OR_RETURN(std::string admin,
+                              ReadTokenFile(admin_token_file, "--admin-token-file"));
+  if (!user.empty() && ConstantTimeEquals(user, admin)) {
     // Equal tokens would make every user an admin without the operator noticing.
     return absl::InvalidArgumentError(
         "--auth-token-file and --admin-token-file hold the same token; use different tokens");
   }
-  return std::make_unique<Authorizer>(*std::move(user), *std::move(admin));
+  return std::make_unique<Authorizer>(std::move(user), std::move(admin));
 }
 
 Authorizer::Authorizer(std::string user_token, std::string admin_token)

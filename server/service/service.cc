@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/status_macros.h"
 #include "common/version/build_info.h"
 #include "common/wire/dtype.h"
 #include "server/service/client_text.h"
@@ -52,7 +53,7 @@ absl::Status CheckResultShape(const ScoreJob& job, const ScoreResult& r) {
            check("reverse_kl", r.reverse_kl.size(), job.reverse_kl, n),
            check("jsd", r.jsd.size(), job.jsd_beta.has_value(), n),
        }) {
-    if (!s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(s);
   }
   return absl::OkStatus();
 }

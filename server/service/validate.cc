@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status_macros.h"
 #include "common/wire/dtype.h"
 #include "server/service/client_text.h"
 
@@ -481,7 +482,7 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
 absl::Status CheckHiddenStatesFinite(const ScoreJob& job) {
   for (const DistributionInput* in : {&job.model, &job.reference}) {
     if (!in->hidden_mode()) continue;
-    if (absl::Status s = CheckHiddenFinite(in->hidden, in->field); !s.ok()) return s;
+    LOGITSERVE_RETURN_IF_ERROR(CheckHiddenFinite(in->hidden, in->field));
   }
   return absl::OkStatus();
 }

@@ -1,4 +1,5 @@
-// CpuBackend: the always-built backend. Same algorithm and block structure as the CUDA backend:
+// CpuBackend: the always-built backend. Same algorithm, block structure and tile loop
+// (server/backend/sharded_job.h) as the CUDA backend:
 //
 //   for each tile of kRowTile rows:
 //     each shard (a rank, in its own thread) computes per-block statistics of its vocabulary
@@ -27,11 +28,14 @@
 #include "common/base/status_macros.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
+#include "logitserve/kernels/row_finisher.h"
+#include "logitserve/kernels/tile_message.h"
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
 #include "server/backend/cpu/cpu_tile_gemm.h"
 #include "server/backend/job_failure.h"
 #include "server/backend/shard_layout.h"
+#include "server/backend/sharded_job.h"
 
 namespace logitserve {
 namespace {
@@ -58,31 +62,12 @@ int64_t BlockWidth(int64_t vocab, int64_t block) {
   return std::min(k::kVocabBlock, vocab - block * k::kVocabBlock);
 }
 
-// What one rank sends per row tile. Fixed size on every rank (padded to the widest shard).
-struct TileMessageLayout {
-  int64_t rows;        // kRowTile
-  int64_t max_blocks;  // widest shard, in blocks
-  int64_t top_k;
-  int64_t ids_per_row;
-  size_t failed_offset, stats_offset, topk_offset, count_offset, target_offset, bytes;
-
-  TileMessageLayout(int64_t max_blocks_in, int64_t top_k_in, int64_t ids_in)
-      : rows(kRowTile), max_blocks(max_blocks_in), top_k(top_k_in), ids_per_row(ids_in) {
-    failed_offset = 0;  // int32: this rank failed the tile (so every rank stops together)
-    stats_offset =
-        alignof(k::PairBlockStats) > sizeof(int32_t) ? alignof(k::PairBlockStats) : sizeof(int32_t);
-    topk_offset = stats_offset + sizeof(k::PairBlockStats) * rows * max_blocks;
-    count_offset = topk_offset + sizeof(k::TopKEntry) * rows * top_k;
-    target_offset = count_offset + sizeof(int32_t) * rows;
-    bytes = target_offset + sizeof(float) * rows * ids_per_row;
-  }
-};
-
 // Everything a rank needs for one job.
 struct RankContext {
   const ScoreJob* job;
   ScoreResult* result;  // written by rank 0 only
   Communicator* comm;
+  JobFailure* failure;  // shared by the job's ranks
   const std::vector<ShardRange>* layout;
   int threads;
 };
@@ -156,7 +141,8 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CpuBackend::PrepareHead(
 
 // ---- One rank's work ---------------------------------------------------------------------
 
-class RankWorker {
+// One shard's part of a job, on its own thread: the tile loop's hooks (sharded_job.h).
+class RankWorker final : public ShardedRank {
  public:
   explicit RankWorker(const RankContext& ctx)
       : ctx_(ctx),
@@ -168,7 +154,7 @@ class RankWorker {
         with_ref_(job_.NeedsReference()),
         jsd_pass_(job_.jsd_beta.has_value() && *job_.jsd_beta > 0.0f && *job_.jsd_beta < 1.0f),
         keep_logits_(jsd_pass_ && (job_.model.hidden_mode() || job_.reference.hidden_mode())),
-        msg_(MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row) {}
+        msg_(k::MakeTileMessage(kRowTile, MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row)) {}
 
   absl::Status Run();
 
@@ -187,11 +173,14 @@ class RankWorker {
                            int64_t rows, int64_t block, float* scratch, void* gemm_scratch,
                            std::vector<const float*>* row_ptrs) const;
 
-  absl::Status ComputeTile(int64_t row0, int64_t rows);
   void ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
                          std::vector<float>* tile) const;
-  absl::Status FoldTile(int64_t row0, int64_t rows);
-  absl::Status JsdTile(int64_t row0, int64_t rows);
+  // ShardedRank.
+  absl::Status ComputeTile(int64_t row0, int64_t rows) override;
+  absl::Status Exchange(TileExchange what) override;
+  absl::Status FoldTile(int64_t row0, int64_t rows) override;
+  absl::Status JsdTile(int64_t row0, int64_t rows) override;
+  absl::Status JsdFinish(int64_t row0, int64_t rows) override;
 
   const RankContext& ctx_;
   const ScoreJob& job_;
@@ -204,9 +193,10 @@ class RankWorker {
   // JSD with a hidden-mode side: the tile's logits are kept for the second pass rather than
   // recomputed (one [kRowTile, V_shard] buffer per distribution).
   const bool keep_logits_;
-  const TileMessageLayout msg_;
+  const k::TileMessage msg_;  // what this rank sends per row tile (padded to the widest shard)
 
   std::vector<uint8_t> send_, recv_;
+  std::vector<float> partial_, partial_all_;  // JSD partials [kRowTile, max_blocks]: own, gathered
   std::vector<float> hidden_model_, hidden_ref_;  // [kRowTile, H] fp32 row tiles
   std::vector<float> keep_model_, keep_ref_;      // hidden mode + JSD: tile logits [rows, V_shard]
   std::vector<k::RowStats> model_rows_, ref_rows_;  // folded per row of the tile
@@ -254,17 +244,8 @@ absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* h
       !s.ok()) {
     return s;
   }
-  const HeadTransform& ht = head.weights().transform;
-  k::LogitTransform t;
+  k::LogitTransform t = HeadLogitTransform(head.weights().transform, in.temperature);
   t.bias = head.bias.empty() ? nullptr : head.bias.data() + col0;
-  if (ht.logits_scaling != 1.0f) {
-    t.scale = ht.logits_scaling;
-    t.divide_by_scale = true;
-  } else {
-    t.scale = ht.logit_scale;
-  }
-  t.softcap = ht.softcap;
-  t.temperature = in.temperature;
   for (int64_t r = 0; r < rows; ++r) {
     float* z = scratch + r * k::kVocabBlock;
     k::CpuApplyTransform(t, z, n);
@@ -413,23 +394,35 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   if (rank_ != 0) return absl::OkStatus();
 
   ScoreResult& out = *ctx_.result;
+  k::RowOutputs outputs;
+  outputs.target_ids = job_.target_ids.data();
+  outputs.ids_per_row = static_cast<int32_t>(job_.ids_per_row);
+  outputs.ignore_index = job_.ignore_index;
+  if (job_.ids_per_row > 0) outputs.target_logprobs = out.target_logprobs.data();
+  outputs.top_k = static_cast<int32_t>(job_.top_k);
+  if (job_.top_k > 0) {
+    outputs.top_k_ids = out.top_k_ids.data();
+    outputs.top_k_logprobs = out.top_k_logprobs.data();
+  }
+  if (job_.entropy) outputs.entropy = out.entropy.data();
+  if (job_.reference_entropy) outputs.reference_entropy = out.reference_entropy.data();
+  if (job_.forward_kl) outputs.forward_kl = out.forward_kl.data();
+  if (job_.reverse_kl) outputs.reverse_kl = out.reverse_kl.data();
+  if (job_.jsd_beta) outputs.jsd = out.jsd.data();
+  outputs.jsd_endpoint = k::JsdEndpoint(job_.jsd_beta.has_value(), job_.jsd_beta.value_or(0.0f));
+  std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
     const k::RowStats& m = model_rows_[static_cast<size_t>(r)];
-    for (int64_t j = 0; j < job_.ids_per_row; ++j) {
-      const size_t idx = static_cast<size_t>(row * job_.ids_per_row + j);
-      const int32_t id = job_.target_ids[idx];
-      if (id == job_.ignore_index) {
-        out.target_logprobs[idx] = 0.0f;
-        continue;
-      }
-      const int o = owner[static_cast<size_t>(id / k::kVocabBlock)];
-      const float z =
-          reinterpret_cast<const float*>(record(o) + msg_.target_offset)[r * job_.ids_per_row + j];
-      out.target_logprobs[idx] = k::LogProb(z, m);
-    }
+    // The row finisher (row_finisher.h, shared with the CUDA fold kernel); this backend's part is
+    // finding a target's logit in its owner's message and the top-k merge.
+    k::FinishRow(outputs, row, m, ref_rows_[static_cast<size_t>(r)],
+                 pair_rows_[static_cast<size_t>(r)], [&](int32_t j, int32_t id) {
+                   const int holder = owner[static_cast<size_t>(id / k::kVocabBlock)];
+                   return reinterpret_cast<const float*>(
+                       record(holder) + msg_.target_offset)[r * job_.ids_per_row + j];
+                 });
     if (job_.top_k > 0) {
-      std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
       int count = 0;
       for (int o = 0; o < ctx_.comm->size(); ++o) {
         const auto* l =
@@ -437,26 +430,9 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
         const int c = reinterpret_cast<const int32_t*>(record(o) + msg_.count_offset)[r];
         k::TopKMerge(l, c, job_.top_k, list.data(), &count);
       }
-      for (int64_t j = 0; j < job_.top_k; ++j) {
-        const size_t idx = static_cast<size_t>(row * job_.top_k + j);
-        out.top_k_ids[idx] = list[static_cast<size_t>(j)].id;
-        out.top_k_logprobs[idx] = k::LogProb(list[static_cast<size_t>(j)].value, m);
+      for (int32_t j = 0; j < outputs.top_k; ++j) {
+        k::FinishTopKEntry(outputs, row, j, j < count ? &list[static_cast<size_t>(j)] : nullptr, m);
       }
-    }
-    if (job_.entropy) out.entropy[static_cast<size_t>(row)] = k::Entropy(m);
-    if (job_.reference_entropy)
-      out.reference_entropy[static_cast<size_t>(row)] =
-          k::Entropy(ref_rows_[static_cast<size_t>(r)]);
-    // Model = a, reference = b: forward KL(ref || model) = KL(b || a).
-    if (job_.forward_kl || (job_.jsd_beta && *job_.jsd_beta == 0.0f)) {
-      const float f = k::KlBA(pair_rows_[static_cast<size_t>(r)]);
-      if (job_.forward_kl) out.forward_kl[static_cast<size_t>(row)] = f;
-      if (job_.jsd_beta && *job_.jsd_beta == 0.0f) out.jsd[static_cast<size_t>(row)] = f;
-    }
-    if (job_.reverse_kl || (job_.jsd_beta && *job_.jsd_beta == 1.0f)) {
-      const float rv = k::KlAB(pair_rows_[static_cast<size_t>(r)]);
-      if (job_.reverse_kl) out.reverse_kl[static_cast<size_t>(row)] = rv;
-      if (job_.jsd_beta && *job_.jsd_beta == 1.0f) out.jsd[static_cast<size_t>(row)] = rv;
     }
   }
   return absl::OkStatus();
@@ -465,7 +441,7 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   const float beta = *job_.jsd_beta;
   const int64_t shard_width = shard_.end - shard_.begin;
-  std::vector<float> partial(static_cast<size_t>(kRowTile * msg_.max_blocks) + 1, 0.0f);
+  std::fill(partial_.begin(), partial_.end(), 0.0f);
   std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
 #pragma omp parallel num_threads(ctx_.threads)
   {
@@ -499,7 +475,7 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
         const k::RowStats& ms = model_rows_[static_cast<size_t>(r)];
         const k::RowStats& rs = ref_rows_[static_cast<size_t>(r)];
         if (k::AllMasked(ms) || k::AllMasked(rs)) continue;
-        partial[static_cast<size_t>(r * msg_.max_blocks + lb)] =
+        partial_[static_cast<size_t>(r * msg_.max_blocks + lb)] =
             k::CpuJsdBlock(zm[static_cast<size_t>(r)], zr[static_cast<size_t>(r)], n, k::NormOf(ms),
                            k::NormOf(rs), beta);
       }
@@ -509,14 +485,18 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   for (const auto& s : status) {
     if (!s.ok()) local = s;
   }
-  partial.back() = local.ok() ? 0.0f : 1.0f;  // failure word, as in the tile exchange
-  const size_t bytes = partial.size() * sizeof(float);
-  std::vector<float> all(partial.size() * static_cast<size_t>(ctx_.comm->size()));
-  LOGITSERVE_RETURN_IF_ERROR(ctx_.comm->AllGather(partial.data(), all.data(), bytes));
-  if (!local.ok()) return local;
-  for (int r = 0; r < ctx_.comm->size(); ++r) {
-    if (all[static_cast<size_t>(r + 1) * partial.size() - 1] != 0.0f) return PeerFailed(r);
+  return local;
+}
+
+absl::Status RankWorker::Exchange(TileExchange what) {
+  if (what == TileExchange::kStatistics) {
+    return ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes);
   }
+  return ctx_.comm->AllGather(partial_.data(), partial_all_.data(),
+                              partial_.size() * sizeof(float));
+}
+
+absl::Status RankWorker::JsdFinish(int64_t row0, int64_t rows) {
   if (rank_ != 0) return absl::OkStatus();
   const auto& layout = *ctx_.layout;
   for (int64_t r = 0; r < rows; ++r) {
@@ -524,8 +504,8 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
     for (const auto& s : layout) {  // shards are contiguous and ordered: global block order
       const int64_t nb = (s.end - s.begin + k::kVocabBlock - 1) / k::kVocabBlock;
       for (int64_t lb = 0; lb < nb; ++lb) {
-        sum += all[static_cast<size_t>(s.shard) * partial.size() +
-                   static_cast<size_t>(r * msg_.max_blocks + lb)];
+        sum += partial_all_[static_cast<size_t>(s.shard) * partial_.size() +
+                            static_cast<size_t>(r * msg_.max_blocks + lb)];
       }
     }
     const bool masked = k::AllMasked(model_rows_[static_cast<size_t>(r)]) ||
@@ -538,35 +518,20 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::Run() {
   send_.assign(msg_.bytes, 0);
   recv_.assign(msg_.bytes * static_cast<size_t>(ctx_.comm->size()), 0);
+  if (jsd_pass_) {
+    partial_.assign(static_cast<size_t>(kRowTile * msg_.max_blocks), 0.0f);
+    partial_all_.assign(partial_.size() * static_cast<size_t>(ctx_.comm->size()), 0.0f);
+  }
   if (keep_logits_) {
     const size_t n = static_cast<size_t>(kRowTile * (shard_.end - shard_.begin));
     keep_model_.assign(n, 0.0f);
     keep_ref_.assign(n, 0.0f);
   }
-  for (int64_t row0 = 0; row0 < job_.rows; row0 += kRowTile) {
-    const int64_t rows = std::min(kRowTile, job_.rows - row0);
-    // A stop (cancelled / expired) travels like a failure: every rank ends at this tile.
-    absl::Status s = job_.CheckStop(rows);
-    if (s.ok()) s = ComputeTile(row0, rows);
-    // Every rank joins every exchange even after a local failure, and the exchange carries the
-    // failure, so all ranks stop at the same point and none is left waiting in a collective.
-    *reinterpret_cast<int32_t*>(send_.data() + msg_.failed_offset) = s.ok() ? 0 : 1;
-    if (absl::Status g = ctx_.comm->AllGather(send_.data(), recv_.data(), msg_.bytes); !g.ok()) {
-      return g;
-    }
-    if (!s.ok()) return s;
-    for (int r = 0; r < ctx_.comm->size(); ++r) {
-      if (*reinterpret_cast<const int32_t*>(recv_.data() + static_cast<size_t>(r) * msg_.bytes +
-                                            msg_.failed_offset) != 0) {
-        return PeerFailed(r);
-      }
-    }
-    LOGITSERVE_RETURN_IF_ERROR(FoldTile(row0, rows));
-    if (jsd_pass_) {
-      LOGITSERVE_RETURN_IF_ERROR(JsdTile(row0, rows));
-    }
-  }
-  return absl::OkStatus();
+  ShardedJobPlan tiles;
+  tiles.tile_rows = kRowTile;
+  tiles.jsd_pass = jsd_pass_;
+  tiles.rank = rank_;
+  return RunShardedJob(job_, tiles, *ctx_.failure, *this);
 }
 
 absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
@@ -578,8 +543,9 @@ absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
   LOGITSERVE_ASSIGN_OR_RETURN(auto comms, CreateInProcessCommunicators(shards));
   const int threads = std::max(1, options_.threads / shards);
   std::vector<absl::Status> status(static_cast<size_t>(shards));
+  JobFailure failure(shards);
   auto run_rank = [&](int r) {
-    RankContext ctx{&job, result, comms[static_cast<size_t>(r)].get(), &layout, threads};
+    RankContext ctx{&job, result, comms[static_cast<size_t>(r)].get(), &failure, &layout, threads};
     status[static_cast<size_t>(r)] = RankWorker(ctx).Run();
   };
   std::vector<std::thread> others;

@@ -234,8 +234,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.shards.begin[ranks] = static_cast<int32_t>(p.num_blocks);
   p.pair = job.NeedsReference();
   if (job.jsd_beta) {
-    const float beta = *job.jsd_beta;
-    p.jsd_endpoint = beta == 0.0f ? 1 : (beta == 1.0f ? 2 : 0);
+    p.jsd_endpoint = k::JsdEndpoint(/*has_beta=*/true, *job.jsd_beta);
     p.jsd_pass = p.jsd_endpoint == 0;
   }
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());

@@ -1,5 +1,5 @@
 // The faults CudaBackend injects itself for the tests (CudaBackendOptions::test_fault, from
-// --test-fault; server/backend/fault_injection.h classifies the flag): a skipped collective, a
+// --test-fault; server/backend/fault_injection.h parses the flag): a skipped collective, a
 // stalled kernel or a real sticky error (illegal address) on one rank. Kept out of the production
 // pipeline's files: the rank worker only asks which fault names its rank.
 #pragma once

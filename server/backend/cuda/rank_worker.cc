@@ -96,16 +96,7 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
   } else {
     d.head = static_cast<const CudaHead*>(in.head.get());
     d.hidden_parts = kc::PartsFor(in.hidden.type);
-    const HeadTransform& ht = d.head->weights().transform;
-    d.transform.head = true;
-    if (ht.logits_scaling != 1.0f) {  // the CPU backend's choice, kept identical
-      d.transform.scale = ht.logits_scaling;
-      d.transform.divide_by_scale = true;
-    } else {
-      d.transform.scale = ht.logit_scale;
-    }
-    d.transform.softcap = ht.softcap;
-    d.transform.temperature = in.temperature;
+    d.transform = HeadLogitTransform(d.head->weights().transform, in.temperature);
     if (shard_width_ > 0) {
       const size_t h = static_cast<size_t>(in.hidden.cols);
       off[1] = carver.Add(rows * h * static_cast<size_t>(k::SizeOf(in.hidden.type)));
@@ -512,62 +503,48 @@ absl::Status RankWorker::InjectFault() {
 absl::Status RankWorker::Run() {
   DeviceGuard guard(rank_.device);
   LOGITSERVE_RETURN_IF_ERROR(guard.status());
-  int64_t step = 0;
-  absl::Status local = absl::OkStatus();  // the first failure since the previous checkpoint
-  auto note = [&](absl::Status s) {
-    if (s.ok()) return;
-    if (IsFatalDeviceError(s)) fatal_.Fail(s);
-    if (local.ok()) local = std::move(s);
-  };
-  // A checkpoint: true when the job stops here; `local` then holds this rank's status.
-  auto stop = [&]() {
-    if (step == test_fail_step_) note(absl::InternalError("injected failure (test_fail_step)"));
-    const bool stop_here = failure_.Failed(step++, rank_.index, !local.ok());
-    if (stop_here && local.ok()) local = PeerFailed(failure_.rank());
-    return stop_here;
-  };
-  int64_t gathers = 0;
-  auto gather = [&](const void* send, void* recv, size_t bytes) {
-    if (num_ranks_ == 1) return;
-    // Test fault: only the job's first gather (NCCL connections are up; the peers then wait on
-    // the GPU for gathers that never come).
-    if (fault_ == TestFault::kSkipCollective && gathers++ > 0) return;
-    note(rank_.comm->AllGather(send, recv, bytes));
-  };
+  ShardedJobPlan tiles;
+  tiles.tile_rows = plan_.tile_rows;
+  tiles.jsd_pass = plan_.jsd_pass;
+  tiles.rank = rank_.index;
+  tiles.test_fail_step = test_fail_step_;
+  return RunShardedJob(job_, tiles, failure_, *this);
+}
+
+absl::Status RankWorker::WaitTile(int64_t tile) {
   // At most `depth` tiles queued ahead of the host. Two keep the GPU busy while the host queues
   // the next tile; one where a pageable copy would wait for the stream inside the driver anyway.
   const int64_t depth = plan_.pageable_logits ? 1 : kTileEvents;
-  for (int64_t t = 0, row0 = 0; row0 < job_.rows; ++t, row0 += plan_.tile_rows) {
-    const int64_t rows = std::min(plan_.tile_rows, job_.rows - row0);
-    if (local.ok() && t >= depth) {
-      note(WaitFor(rank_.tile_done[static_cast<size_t>((t - depth) % kTileEvents)].get(),
-                   "row tile"));
-    }
-    // A stop (cancelled / expired) travels like a failure: every rank ends at this tile, and
-    // nothing of it has been queued.
-    if (local.ok()) note(job_.CheckStop(rows));
-    if (local.ok()) note(ComputeTile(row0, rows));
-    if (stop()) return local;
-    gather(send_, recv_, plan_.msg.bytes);
-    if (local.ok()) note(FoldTile(row0, rows));
-    if (plan_.jsd_pass) {
-      if (local.ok()) note(JsdTile(row0, rows));
-      if (stop()) return local;
-      gather(partial_send_, partial_recv_,
-             static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float));
-      if (local.ok()) note(JsdGatherAndFinish(row0, rows));
-    }
-    // Test faults go after the first tile's work: the next tile's wait (or Finish's) meets them.
-    if (local.ok() && t == 0) note(InjectFault());
-    if (local.ok()) {
-      note(CudaStatus(
-          cudaEventRecord(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), stream()),
-          "cudaEventRecord", __FILE__, __LINE__));
-    }
+  if (tile < depth) return absl::OkStatus();
+  return WaitFor(rank_.tile_done[static_cast<size_t>((tile - depth) % kTileEvents)].get(),
+                 "row tile");
+}
+
+absl::Status RankWorker::Exchange(TileExchange what) {
+  if (num_ranks_ == 1) return absl::OkStatus();
+  // Test fault: only the job's first gather (NCCL connections are up; the peers then wait on
+  // the GPU for gathers that never come).
+  if (fault_ == TestFault::kSkipCollective && gathers_++ > 0) return absl::OkStatus();
+  if (what == TileExchange::kStatistics) {
+    return rank_.comm->AllGather(send_, recv_, plan_.msg.bytes);
   }
-  // No collective follows: a failure after the last checkpoint only needs reporting.
-  if (!local.ok()) failure_.Note(rank_.index);
-  return local;
+  return rank_.comm->AllGather(
+      partial_send_, partial_recv_,
+      static_cast<size_t>(plan_.tile_rows * plan_.max_blocks) * sizeof(float));
+}
+
+absl::Status RankWorker::EndTile(int64_t tile) {
+  // Test faults go after the first tile's work: the next tile's wait (or Finish's) meets them.
+  if (tile == 0) {
+    LOGITSERVE_RETURN_IF_ERROR(InjectFault());
+  }
+  return CudaStatus(
+      cudaEventRecord(rank_.tile_done[static_cast<size_t>(tile % kTileEvents)].get(), stream()),
+      "cudaEventRecord", __FILE__, __LINE__);
+}
+
+void RankWorker::OnFailure(const absl::Status& status) {
+  if (IsFatalDeviceError(status)) fatal_.Fail(status);
 }
 
 absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {

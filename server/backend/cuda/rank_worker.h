@@ -1,7 +1,10 @@
 // RankWorker: one rank's part of one CudaBackend job, on that rank's host thread: prepare (the
-// job's workspace, target ids), then every row tile (stop check -> statistics of the shard's
-// blocks, hidden mode behind the GEMMs -> all-gather -> fold -> optional JSD pass), then finish
-// (wait idle, rank 0 copies the outputs). Created per job by CudaBackend::Score, one per rank.
+// job's workspace, target ids), then every row tile through the shared tile loop
+// (server/backend/sharded_job.h: stop check -> statistics of the shard's blocks, hidden mode
+// behind the GEMMs -> all-gather -> fold -> optional JSD pass), then finish (wait idle, rank 0
+// copies the outputs). Created per job by CudaBackend::Score, one per rank. The ShardedRank hooks
+// only queue work on the rank's streams; WaitTile / EndTile keep at most kTileEvents tiles queued
+// ahead of the host.
 //
 // Thread safety: one thread per worker; workers of one job meet only through JobFailure, the
 // communicator and the shared read-only JobPlan.
@@ -27,6 +30,7 @@
 #include "server/backend/cuda/rank.h"
 #include "server/backend/cuda/watchdog.h"
 #include "server/backend/job_failure.h"
+#include "server/backend/sharded_job.h"
 
 namespace logitserve::cuda_internal {
 
@@ -53,7 +57,7 @@ inline bool IsPageable(const void* p) {
   return attr.type == cudaMemoryTypeUnregistered;
 }
 
-class RankWorker {
+class RankWorker final : public ShardedRank {
  public:
   RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure, FatalState& fatal,
              absl::Duration timeout, int64_t test_fail_step, TestFault fault)
@@ -73,9 +77,10 @@ class RankWorker {
 
   // Allocates the job's workspace and uploads the target ids. No collectives.
   absl::Status Prepare();
-  // Every tile. Before each collective the ranks agree (JobFailure) whether any of them failed;
-  // if so, all return there (the failing rank its own status, the others PeerFailed). A stop
-  // (job.CheckStop(), before every tile) is such a failure.
+  // Every tile: RunShardedJob over this worker's hooks (below). Before each collective the ranks
+  // agree (JobFailure) whether any of them failed; if so, all return there (the failing rank its
+  // own status, the others PeerFailed). A stop (job.CheckStop(), before every tile) is such a
+  // failure.
   absl::Status Run();
   // Every rank waits (watchdog) until its stream is idle, so nothing queued outlives the job;
   // then, when `copy` (the job succeeded), rank 0 copies the outputs into `result` and the
@@ -111,10 +116,23 @@ class RankWorker {
   // (on gemm_stream) when `compute`.
   absl::StatusOr<kc::LogitsSource> Source(Dist& d, int64_t c, int64_t row0, bool compute,
                                           int64_t slot);
-  absl::Status ComputeTile(int64_t row0, int64_t rows);
-  absl::Status FoldTile(int64_t row0, int64_t rows);
-  absl::Status JsdTile(int64_t row0, int64_t rows);
+  // ShardedRank: the tile loop's hooks, called by RunShardedJob in Run.
+  // Waits (watchdog) for tile - depth: at most `depth` tiles queued ahead of the host.
+  absl::Status WaitTile(int64_t tile) override;
+  absl::Status ComputeTile(int64_t row0, int64_t rows) override;
+  // One all-gather on the rank's communicator; nothing on one rank (FoldTile reads the send
+  // buffer's bytes through recv_ == send_, see Prepare).
+  absl::Status Exchange(TileExchange what) override;
+  absl::Status FoldTile(int64_t row0, int64_t rows) override;
+  absl::Status JsdTile(int64_t row0, int64_t rows) override;
+  absl::Status JsdFinish(int64_t row0, int64_t rows) override {
+    return JsdGatherAndFinish(row0, rows);
+  }
   absl::Status JsdGatherAndFinish(int64_t row0, int64_t rows);
+  // The first tile: the test fault (InjectFault); every tile: records tile_done.
+  absl::Status EndTile(int64_t tile) override;
+  // A fatal device error is reported to FatalState at once (other ranks' waits give up).
+  void OnFailure(const absl::Status& status) override;
   // Polls `event` until it completes (watchdog: collective_timeout; NCCL errors; a fatal error on
   // another rank abandons the wait).
   absl::Status WaitFor(cudaEvent_t event, const char* what);
@@ -142,6 +160,7 @@ class RankWorker {
   const int64_t test_fail_step_;  // CudaBackendOptions::test_fail_step when this rank fails
   const TestFault::Kind fault_;   // CudaBackendOptions::test_fault when it names this rank
   int64_t chunk_seq_ = 0;         // hidden mode: chunks computed so far in this job (all tiles)
+  int64_t gathers_ = 0;  // all-gathers issued so far in this job (the skip-collective fault)
 
   Dist model_, ref_;
   uint8_t* send_ = nullptr;

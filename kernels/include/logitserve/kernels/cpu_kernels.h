@@ -9,26 +9,16 @@
 
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/dtype.h"
+#include "logitserve/kernels/logit_transform.h"
 
 namespace logitserve::kernels {
 
 // Converts n elements of `src` to fp32 into `dst`, then divides by `temperature` unless it is 1.
 void CpuToFloat(FloatType type, const void* src, int64_t n, float temperature, float* dst);
 
-// Applies the head transform and temperature in place to a row of n raw logits (h . W^T):
-//   x = acc + bias[j] (bias may be null); x = x * scale (if multiply) or x / scale (if divide);
-//   x = cap * tanh(x / cap) (if cap > 0); x = x / temperature (if != 1).
-// The order of operations matches Hugging Face's forward passes.
-struct LogitTransform {
-  const float* bias = nullptr;
-  float scale = 1.0f;
-  bool divide_by_scale = false;
-  float softcap = 0.0f;
-  float temperature = 1.0f;
-  bool IsIdentity() const {
-    return bias == nullptr && scale == 1.0f && softcap == 0.0f && temperature == 1.0f;
-  }
-};
+// Applies the head transform and temperature (logit_transform.h; hidden mode: every field but
+// `head` is read, as if head were true) in place to a row of n raw logits (h . W^T), bias[j] for
+// logit j. Logits mode needs only the temperature, which CpuToFloat divides by.
 void CpuApplyTransform(const LogitTransform& t, float* z, int64_t n);
 
 // Statistics of one distribution over one block of n <= kVocabBlock logits.

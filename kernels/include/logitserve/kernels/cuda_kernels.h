@@ -36,6 +36,9 @@
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"  // TopKEntry, Better, kMaxTopK (shared definitions)
 #include "logitserve/kernels/dtype.h"
+#include "logitserve/kernels/logit_transform.h"
+#include "logitserve/kernels/row_finisher.h"
+#include "logitserve/kernels/tile_message.h"
 
 namespace logitserve::kernels::cuda {
 
@@ -47,18 +50,9 @@ static_assert(kBlockThreads * kElemsPerThread == kVocabBlock, "one CTA covers on
 // Most ranks (vocabulary shards) a fold can combine.
 inline constexpr int kMaxRanks = 16;
 
-// The logit transform applied while loading, in Hugging Face's order:
-//   x (GEMM output; -0 made +0) + bias[c]; * scale or / scale; cap * tanh(x / cap); / temperature.
-// Logits mode uses only the temperature (head == false).
-struct LoadTransform {
-  bool head = false;            // hidden mode: x is a raw h . W^T from the GEMM
-  const float* bias = nullptr;  // device, indexed by source column; null = no bias
-  float scale = 1.0f;           // 1 = none
-  bool divide_by_scale =
-      false;             // Granite's logits_scaling divides; Cohere's logit_scale multiplies
-  float softcap = 0.0f;  // 0 = none
-  float temperature = 1.0f;
-};
+// The logit transform applied while loading (logit_transform.h). LoadTransform is the name the
+// CUDA loaders use for it.
+using LoadTransform = ::logitserve::kernels::LogitTransform;
 
 // One distribution's logits for a range of vocabulary ids, as the kernels read them: element
 // (r, c) of `data` is the logit of row r (tile-local) and vocabulary id col0 + c. Columns past
@@ -101,23 +95,9 @@ cudaError_t LaunchBlockStatsTopK(const LogitsSource& a, const LogitsSource* b, i
                                  int32_t k, TopKEntry* lists, int32_t* counts, float* scratch,
                                  cudaStream_t stream);
 
-// What one rank contributes per row tile; every rank uses the same layout, so a gathered buffer
-// holds rank r's message at byte r * bytes. Sections (each 256-byte aligned):
-//   stats   [rows][max_blocks] PairBlockStats of the rank's blocks (local block index)
-//   topk    [rows][top_k] TopKEntry, best first, and count [rows] int32
-//   targets [rows][ids_per_row] float: z of each target id in the rank's shard
-struct TileMessage {
-  int64_t rows = 0;
-  int64_t max_blocks = 0;
-  int32_t top_k = 0;
-  int32_t ids_per_row = 0;
-  size_t stats_offset = 0;
-  size_t topk_offset = 0;
-  size_t count_offset = 0;
-  size_t target_offset = 0;
-  size_t bytes = 0;
-};
-TileMessage MakeTileMessage(int64_t rows, int64_t max_blocks, int32_t top_k, int32_t ids_per_row);
+// What one rank contributes per row tile (tile_message.h, shared with the CPU backend).
+using ::logitserve::kernels::MakeTileMessage;
+using ::logitserve::kernels::TileMessage;
 
 // The vocabulary layout in blocks: rank r owns global blocks [begin[r], begin[r + 1]), ranks in
 // order, contiguous (a rank may own none).
@@ -142,23 +122,8 @@ struct FoldedRows {
   RowStats* b = nullptr;
 };
 
-// Job-wide outputs, indexed by global row (tile row + row0); a null pointer = not requested.
-struct RowOutputs {
-  const int32_t* target_ids = nullptr;  // [N * ids_per_row]
-  int32_t ids_per_row = 0;
-  int32_t ignore_index = -100;
-  float* target_logprobs = nullptr;  // [N * ids_per_row]
-  int32_t top_k = 0;
-  int32_t* top_k_ids = nullptr;     // [N * top_k]
-  float* top_k_logprobs = nullptr;  // [N * top_k]
-  float* entropy = nullptr;         // H(model)
-  float* reference_entropy = nullptr;
-  float* forward_kl = nullptr;  // KL(reference || model) = KlBA (a = model, b = reference)
-  float* reverse_kl = nullptr;  // KL(model || reference) = KlAB
-  // JSD at an endpoint copies a KL's bits: 1 = beta 0 (forward KL), 2 = beta 1 (reverse KL).
-  float* jsd = nullptr;
-  int32_t jsd_endpoint = 0;
-};
+// Job-wide outputs (row_finisher.h), device memory, indexed by global row (tile row + row0).
+using ::logitserve::kernels::RowOutputs;
 
 // One thread per row: folds the gathered records in global block order (FoldBlock /
 // FoldPairBlock), stores the folded rows, records the first global row whose model (index 0) or
