@@ -48,7 +48,7 @@ struct Flags {
   std::vector<int> devices;
   int threads = 0;
   int shards = 1;
-  int workers = 1;
+  int workers = 0;  // by backend: DefaultSchedulerWorkers
   int queue_size = 256;
   int64_t max_batch_tokens = 8192;
   int64_t max_queue_delay_us = 0;
@@ -93,9 +93,11 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--workers", f.workers,
-                 "Batches computed concurrently (1 keeps the cores or GPUs for one batch at a "
-                 "time; batching fills it)")
-      ->check(CLI::Range(1, 256))
+                 "Batches computed concurrently; 0 = by backend: 2 for cuda (the GPU runs one "
+                 "batch at a time; the second worker merges and stages the next batch on the "
+                 "host meanwhile), 1 for cpu (one batch uses every core). Results are bitwise "
+                 "the same for any value")
+      ->check(CLI::Range(0, 256))
       ->capture_default_str();
   app.add_option("--queue-size", f.queue_size,
                  "Score requests waiting for compute before RESOURCE_EXHAUSTED")
