@@ -293,7 +293,7 @@ class Client:
                     except grpc.RpcError as e:
                         if e.code() == grpc.StatusCode.UNAVAILABLE:
                             raise  # the whole request is retried (Score is idempotent)
-                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout:
                             raise expired() from None
                         failed.append((i, from_rpc_error(e)))
                         return None
