@@ -1,5 +1,6 @@
 #include "client/pipeline.h"
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <string>
@@ -193,11 +194,31 @@ class PipelineReactor final : public grpc::ClientBidiReactor<grpc::ByteBuffer, g
 
 }  // namespace
 
-grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
-                            const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
-                            const std::string& request_id) {
+namespace {
+
+// Appends one more occurrence of the Tensor field `field` holding only `bytes` as its data: a
+// prefix slice (tags and lengths) and a slice pointing at `bytes`. Returns the bytes appended.
+size_t AppendDataOccurrence(int field, absl::string_view bytes, std::vector<grpc::Slice>& slices) {
+  std::string inner;
+  AppendTag(kTensorDataField, inner);
+  AppendVarint(bytes.size(), inner);
+  std::string prefix;
+  AppendTag(field, prefix);
+  AppendVarint(inner.size() + bytes.size(), prefix);
+  prefix += inner;
+  const size_t appended = prefix.size() + bytes.size();
+  slices.emplace_back(std::move(prefix));
+  if (!bytes.empty()) slices.emplace_back(bytes.data(), bytes.size(), grpc::Slice::STATIC_SLICE);
+  return appended;
+}
+
+// The slices of the ScoreRequest carrying rows `chunk` of `request` (see ChunkBytes), after
+// `reserved` empty leading slices; returns the message's byte length (reserved slices excluded).
+size_t RequestSlices(const v1::ScoreRequest& request, const v1::ScoreRequest& request_without_rows,
+                     const RowChunk& chunk, const std::string* request_id, size_t reserved,
+                     std::vector<grpc::Slice>& slices) {
   v1::ScoreRequest header = request_without_rows;
-  header.set_request_id(request_id);
+  if (request_id != nullptr) header.set_request_id(*request_id);
   for (int64_t s = chunk.seq_begin; s < chunk.seq_end; ++s) {
     header.add_sequence_lengths(request.sequence_lengths(static_cast<int>(s)));
   }
@@ -246,27 +267,64 @@ grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                                    .substr(static_cast<size_t>(chunk.row_begin * row_bytes),
                                            static_cast<size_t>(chunk.rows() * row_bytes)));
   }
-  // Slot 0: the ScoreStreamRequest's tag and length, once the request's size is known.
-  std::vector<grpc::Slice> slices(1);
+  slices.clear();
+  slices.resize(reserved);
   size_t request_bytes = 0;
   slices.emplace_back(header.SerializeAsString());
   request_bytes += slices.back().size();
-  for (const auto& [field, bytes] : data) {
-    std::string inner;
-    AppendTag(kTensorDataField, inner);
-    AppendVarint(bytes.size(), inner);
-    std::string prefix;
-    AppendTag(field, prefix);
-    AppendVarint(inner.size() + bytes.size(), prefix);
-    prefix += inner;
-    request_bytes += prefix.size() + bytes.size();
-    slices.emplace_back(std::move(prefix));
-    if (!bytes.empty()) slices.emplace_back(bytes.data(), bytes.size(), grpc::Slice::STATIC_SLICE);
-  }
+  for (const auto& [field, bytes] : data)
+    request_bytes += AppendDataOccurrence(field, bytes, slices);
+  return request_bytes;
+}
+
+}  // namespace
+
+grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
+                            const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
+                            const std::string& request_id) {
+  // Slot 0: the ScoreStreamRequest's tag and length, once the request's size is known.
+  std::vector<grpc::Slice> slices;
+  const size_t request_bytes =
+      RequestSlices(request, request_without_rows, chunk, &request_id, 1, slices);
   std::string wrapper;
   AppendTag(kStreamRequestField, wrapper);
   AppendVarint(request_bytes, wrapper);
   slices[0] = grpc::Slice(std::move(wrapper));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer RequestBytes(const v1::ScoreRequest& request,
+                              const v1::ScoreRequest& request_without_rows) {
+  v1::ScoreRequest header = request_without_rows;
+  *header.mutable_sequence_lengths() = request.sequence_lengths();
+  struct Row {
+    const v1::Tensor& in;
+    v1::Tensor* (v1::ScoreRequest::*out)();
+    int field;  // ScoreRequest field number
+    bool present;
+  };
+  const std::array<Row, 5> rows = {
+      {{request.hidden(), &v1::ScoreRequest::mutable_hidden, 3, request.has_hidden()},
+       {request.logits(), &v1::ScoreRequest::mutable_logits, 4, request.has_logits()},
+       {request.reference_hidden(), &v1::ScoreRequest::mutable_reference_hidden, 7,
+        request.has_reference_hidden()},
+       {request.reference_logits(), &v1::ScoreRequest::mutable_reference_logits, 8,
+        request.has_reference_logits()},
+       {request.target_ids(), &v1::ScoreRequest::mutable_target_ids, 10,
+        request.has_target_ids()}}};
+  std::vector<std::pair<int, absl::string_view>> data;  // field, its bytes
+  for (const Row& r : rows) {
+    if (!r.present) continue;
+    // Everything but the bytes, as given (the server validates the request, not this client).
+    v1::Tensor* out = (header.*r.out)();
+    out->set_dtype(r.in.dtype());
+    *out->mutable_shape() = r.in.shape();
+    if (r.in.has_shared_memory()) *out->mutable_shared_memory() = r.in.shared_memory();
+    if (!r.in.data().empty()) data.emplace_back(r.field, r.in.data());
+  }
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(header.SerializeAsString());
+  for (const auto& [field, bytes] : data) AppendDataOccurrence(field, bytes, slices);
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 

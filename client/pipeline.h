@@ -52,6 +52,14 @@ grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                             const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
                             const std::string& request_id);
 
+// The wire bytes of `request` as one ScoreRequest message (the unary Score's body), without
+// copying its tensor bytes: `request_without_rows` (RequestWithoutRows(request)) with the
+// request's sequence lengths and each row tensor's dtype, shape and shared-memory reference, then
+// each tensor's `data` as one more occurrence of its field, a slice pointing into `request`
+// (which must outlive the buffer). It parses as `request` itself: nothing is re-cut or checked.
+grpc::ByteBuffer RequestBytes(const v1::ScoreRequest& request,
+                              const v1::ScoreRequest& request_without_rows);
+
 // Sends `chunks` chunk buffers made by make_chunk(i) (which must carry request_id i, decimal)
 // over one ScoreStream on `context`, keeping at most `depth` (>= 1) unanswered. A
 // ScoreStreamResponse whose request_id names no outstanding chunk is INTERNAL; one with a non-zero

@@ -36,8 +36,8 @@ available=$(cmake --build "$BUILD_DIR" --target help | sed -n 's/^\([A-Za-z0-9_.
 wanted=(logitserve logitserve-cli cuda_kernels_test cuda_backend_test
         cuda_backend_conformance_test cuda_backend_edge_cases_test cuda_backend_determinism_test
         cuda_fault_test cuda_sticky_fault_test watchdog_test logitserve-kernel-bench
-        cuda_server_fault_test service_e2e_test serving_e2e_test load_head_e2e_test
-        client_e2e_test logitserve-bench logitserve-rpc-bench logitserve-wire-bench)
+        cuda_server_fault_test cuda_server_test service_e2e_test serving_e2e_test
+        load_head_e2e_test client_e2e_test logitserve-bench logitserve-rpc-bench logitserve-wire-bench)
 targets=()
 for t in "${wanted[@]}"; do
   if grep -qx "$t" <<<"$available"; then targets+=("$t"); else echo "device-bundle: no target $t (skipped)"; fi
@@ -151,8 +151,8 @@ if want tests; then
 fi
 if want e2e; then
   export LOGITSERVE_SERVER_BINARY="$here/bin/logitserve" LOGITSERVE_EXPECT_GPU=1
-  for t in cuda_server_fault_test service_e2e_test serving_e2e_test load_head_e2e_test \
-           client_e2e_test; do
+  for t in cuda_server_fault_test cuda_server_test service_e2e_test serving_e2e_test \
+           load_head_e2e_test client_e2e_test; do
     [ -x "$here/bin/$t" ] && step "$out/e2e.log" "$t" "$here/bin/$t"
   done
 fi

@@ -10,7 +10,6 @@
 // device error (Backend::Health): NOT_SERVING, in-flight work fails with UNAVAILABLE, exit 3 so
 // the orchestrator restarts the process. Logs go to stderr; stdout carries only the
 // `logitserve metrics on` and `logitserve listening on` lines.
-#include <malloc.h>
 #include <signal.h>
 
 #include <chrono>
@@ -25,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/base/large_allocations.h"
 #include "common/version/build_info.h"
 #include "server/server.h"
 #include "server/service/shutdown_signals.h"
@@ -48,7 +48,7 @@ struct Flags {
   std::vector<int> devices;
   int threads = 0;
   int shards = 1;
-  int workers = 1;
+  int workers = 0;  // by backend: DefaultSchedulerWorkers
   int queue_size = 256;
   int64_t max_batch_tokens = 8192;
   int64_t max_queue_delay_us = 0;
@@ -93,9 +93,11 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--workers", f.workers,
-                 "Batches computed concurrently (1 keeps the cores or GPUs for one batch at a "
-                 "time; batching fills it)")
-      ->check(CLI::Range(1, 256))
+                 "Batches computed concurrently; 0 = by backend: 2 for cuda (the GPU runs one "
+                 "batch at a time; the second worker merges and stages the next batch on the "
+                 "host meanwhile), 1 for cpu (one batch uses every core). Results are bitwise "
+                 "the same for any value")
+      ->check(CLI::Range(0, 256))
       ->capture_default_str();
   app.add_option("--queue-size", f.queue_size,
                  "Score requests waiting for compute before RESOURCE_EXHAUSTED")
@@ -362,11 +364,8 @@ int Run(int argc, char** argv) {
 }  // namespace logitserve
 
 int main(int argc, char** argv) {
-  // Request buffers of 32 MiB and more (hidden states) would be mmapped and unmapped by glibc on
-  // every call, faulting all their pages in again each time (measured: 2.3-2.6x the RPC overhead
-  // beyond compute + transfer, docs/PERFORMANCE.md). Keep large blocks in the heap and keep up to
-  // 1 GiB of freed top-of-heap memory for the next request.
-  mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // Request buffers of many MiB (hidden states) would otherwise be mmapped (or trimmed) and
+  // faulted in again on every call (common/base/large_allocations.h).
+  logitserve::KeepLargeAllocations();
   return logitserve::Run(argc, argv);
 }

@@ -86,6 +86,10 @@ struct ServerOptions {
   MetricsOptions metrics;
 };
 
+// Scheduler workers (batches computed concurrently) when --workers is 0: 2 for the CUDA backend
+// (host work of one batch overlaps the GPU work of the other), 1 for the CPU backend.
+int DefaultSchedulerWorkers(const std::string& backend_name);
+
 // Process exit codes of the server binary.
 inline constexpr int kExitStartupError = 1;
 inline constexpr int kExitNoCuda = 2;

@@ -11,6 +11,8 @@ states, int32 target ids [N], entropy).
             bench's JSON, which times the raw transfer) also single / max(compute, transfer),
             <= 1.15 meets target 2
   unpiped   one unsplit score() (pipelining off)
+  cli_*     this process's CPU ms per single pipelined / unsplit call (time.process_time: all
+            threads, grpcio's included): with the GIL, what bounds the e2e rate of one process
   shm       one score() reading the same values from a SharedMemoryRegion; shm / compute <= 1.1
             meets target 3
 Pipelined and shared-memory results must equal the unsplit one bit for bit (`wrong` otherwise).
@@ -69,9 +71,10 @@ def main():
           "in flight x %d streams; %d iterations (medians), rates over >= %.1f s" % (
               heads.backend, args.head, V, H, args.pipeline_chunk_bytes, args.pipeline_depth,
               args.pipeline_streams, args.iters, args.rate_seconds))
-    print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s" % (
+    print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s %9s %11s" % (
         "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
-        "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong"))
+        "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong", "cli_piped",
+        "cli_unpiped"))
     results = []
     total_wrong = 0
     for n in [int(x) for x in args.rows.split(",")]:
@@ -88,17 +91,21 @@ def main():
 
         ref = unpiped.score(**req)  # warm-up and reference bits
         compute, unp, single, shm = [], [], [], []
+        cpu0 = time.process_time()
         for _ in range(args.iters):
             t0 = time.perf_counter()
             r = unpiped.score(**req)
             unp.append((time.perf_counter() - t0) * 1e3)
             compute.append(r.compute_us / 1e3)
+        cpu_unpiped = (time.process_time() - cpu0) * 1e3 / args.iters
         piped.score(**req)
+        cpu0 = time.process_time()
         for _ in range(args.iters):
             t0 = time.perf_counter()
             r = piped.score(**req)
             single.append((time.perf_counter() - t0) * 1e3)
             wrong += 0 if same(r, ref) else 1
+        cpu_piped = (time.process_time() - cpu0) * 1e3 / args.iters
         if not args.no_shm:
             with logitserve.SharedMemoryRegion(unpiped, bits.nbytes + ids.nbytes + 128) as region:
                 h = region.put(bits)
@@ -148,16 +155,19 @@ def main():
         mib = (bits.nbytes + ids.nbytes) / 2 ** 20
         sgl = s_ms / max(c_ms, x_ms) if x_ms else None
         fmt = lambda v, f: (f % v) if v is not None else "-"  # noqa: E731
-        print("%6d %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11s %7s %8s %7s %6d" % (
-            n, mib, c_ms, rate, e2e, threads, e2e / rate, s_ms, statistics.median(unp),
-            fmt(x_ms, "%.3f"), fmt(sgl, "%.3f"), fmt(m_ms, "%.3f"),
-            fmt(m_ms / c_ms if m_ms else None, "%.3f"), wrong))
+        print("%6d %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11s %7s %8s %7s %6d %9.1f "
+              "%11.1f" % (
+                  n, mib, c_ms, rate, e2e, threads, e2e / rate, s_ms, statistics.median(unp),
+                  fmt(x_ms, "%.3f"), fmt(sgl, "%.3f"), fmt(m_ms, "%.3f"),
+                  fmt(m_ms / c_ms if m_ms else None, "%.3f"), wrong, cpu_piped, cpu_unpiped))
         sys.stdout.flush()
         results.append(dict(rows=n, compute_ms=c_ms, compute_tokens_per_s=rate,
                             e2e_tokens_per_s=e2e, e2e_threads=threads, e2e_over_compute=e2e / rate,
                             single_ms=s_ms, unpipelined_ms=statistics.median(unp),
                             transfer_ms=x_ms, single_over_max_compute_transfer=sgl, shm_ms=m_ms,
-                            shm_over_compute=m_ms / c_ms if m_ms else None, wrong=wrong))
+                            shm_over_compute=m_ms / c_ms if m_ms else None, wrong=wrong,
+                            client_cpu_ms_pipelined=cpu_piped,
+                            client_cpu_ms_unpipelined=cpu_unpiped))
         total_wrong += wrong
     print("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)")
     if args.json:

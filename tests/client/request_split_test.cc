@@ -6,9 +6,13 @@
 #include <numeric>
 #include <vector>
 
+#include "client/pipeline.h"
+#include "client/shm.h"
 #include "client/tensor.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "gtest/gtest.h"
 
 namespace logitserve::client {
@@ -215,6 +219,44 @@ TEST(RequestWithoutRowsTest, KeepsEveryOtherFieldAndNoRowBytes) {
   expected.clear_target_ids();
   expected.clear_sequence_lengths();
   EXPECT_EQ(w.SerializeAsString(), expected.SerializeAsString());
+}
+
+// The unary Score's zero-copy body parses as the request itself: same fields, same bytes, nothing
+// re-cut (an inconsistent request reaches the server as sent, so the server names its problem).
+v1::ScoreRequest ParsedRequestBytes(const v1::ScoreRequest& r) {
+  grpc::ByteBuffer body = RequestBytes(r, RequestWithoutRows(r));
+  v1::ScoreRequest parsed;
+  EXPECT_TRUE(grpc::SerializationTraits<v1::ScoreRequest>::Deserialize(&body, &parsed).ok());
+  return parsed;
+}
+
+TEST(RequestBytesTest, ParsesAsTheRequestItself) {
+  v1::ScoreRequest r = Request(6);
+  *r.mutable_hidden() = TensorOf(Iota(12), {6, 2});
+  *r.mutable_reference_logits() = TensorOf(Iota(24, 100.0f), {6, 4});
+  r.set_reference_head("ref");
+  r.set_ignore_index(0);
+  r.add_sequence_lengths(4);
+  r.add_sequence_lengths(2);
+  r.GetReflection()->MutableUnknownFields(&r)->AddVarint(999, 42);
+  const v1::ScoreRequest parsed = ParsedRequestBytes(r);
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, r));
+  EXPECT_EQ(parsed.hidden().data(), r.hidden().data());
+  EXPECT_EQ(parsed.reference_logits().data(), r.reference_logits().data());
+}
+
+TEST(RequestBytesTest, KeepsInconsistentAndSharedMemoryTensorsAsSent) {
+  v1::ScoreRequest r = Request(6);
+  *r.mutable_hidden() = TensorOf(Iota(5), {6, 2});  // 5 values for a [6, 2] shape
+  *r.mutable_target_ids() = TensorOf(std::vector<int32_t>{1, 2, 3}, {3});  // 3 rows, not 6
+  *r.mutable_reference_hidden() = SharedMemoryTensor("region", 64, v1::DATA_TYPE_BFLOAT16, {6, 2});
+  v1::Tensor* empty = r.mutable_logits();  // present, holding nothing
+  empty->set_dtype(v1::DATA_TYPE_FLOAT32);
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(ParsedRequestBytes(r), r));
+  v1::ScoreRequest no_rows = Request(0);
+  no_rows.clear_target_ids();
+  EXPECT_TRUE(
+      google::protobuf::util::MessageDifferencer::Equals(ParsedRequestBytes(no_rows), no_rows));
 }
 
 TEST(AppendChunkResponseTest, ConcatenatesInRowOrderAndSumsTimings) {

@@ -118,7 +118,7 @@ def test_a_bad_value_is_rejected_by_the_server(tmp_path):
     """The check above would notice a value the server refuses (here: out of range)."""
     bundle = copy.deepcopy(BUNDLE)
     configmap = manifest_check.objects(bundle, "ConfigMap")[0]
-    configmap["data"]["LOGITSERVE_WORKERS"] = "0"
+    configmap["data"]["LOGITSERVE_WORKERS"] = "-1"
     argv = [SERVER, "--listen", "127.0.0.1:0"] + local_args(resolved_args(bundle), tmp_path)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0

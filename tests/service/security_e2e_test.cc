@@ -604,6 +604,24 @@ TEST(MetricsE2eTest, QueueDepthReturnsToZero) {
   EXPECT_THAT(testing::SampleValue(e, "logitserve_queue_depth"), Optional(0.0));
 }
 
+// --workers 0 (the default) takes the backend's default, 1 on the CPU backend; an explicit value
+// is used as given. Both are exported, so an operator sees what runs.
+TEST(MetricsE2eTest, SchedulerWorkersByBackendUnlessGiven) {
+  for (const auto& [flags, expected] : std::vector<std::pair<std::vector<std::string>, double>>{
+           {{"--metrics-listen", "127.0.0.1:0"}, 1.0},
+           {{"--metrics-listen", "127.0.0.1:0", "--workers", "0"}, 1.0},
+           {{"--metrics-listen", "127.0.0.1:0", "--workers", "3"}, 3.0}}) {
+    std::unique_ptr<ServerProcess> server = StartServer(flags);
+    ASSERT_NE(server, nullptr);
+    absl::StatusOr<Exposition> e = ScrapeMetrics(server->metrics_address());
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_THAT(testing::SampleValue(*e, "logitserve_scheduler_workers"), Optional(expected))
+        << flags.back();
+    RawClient raw(server->address());
+    EXPECT_TRUE(raw.Score("", SmallRequest(2)).ok());
+  }
+}
+
 // What every Prometheus target exports: logitserve_build_info (the build ListHeads reports) and
 // the standard process_* families, with values that describe this very process.
 TEST(MetricsE2eTest, BuildInfoAndProcessMetrics) {

@@ -1,12 +1,13 @@
 """The blocking client."""
 
+import collections
 import threading
 import time
 
 import grpc
 
 from . import _api, _pb, _wire
-from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
+from ._errors import DeadlineExceeded, LogitserveError, from_rpc_error
 
 
 class TlsConfig:
@@ -143,7 +144,7 @@ class Client:
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
-        # Pipeline streams 1.. on connections of their own (see _score_pipelined).
+        # Pipeline connections 1.. of their own (see _score_pipelined).
         self._pipeline_channels = []
         for i in range(1, self._s.pipeline_streams):
             opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
@@ -154,9 +155,8 @@ class Client:
                 ch = grpc.insecure_channel(self._s.target, options=opts)
             self._pipeline_channels.append(ch)
         self._pipeline_methods = [
-            ch.stream_stream(_wire.SCORE_STREAM_METHOD,
-                             request_serializer=_wire.serialize_stream_request,
-                             response_deserializer=_wire.parse_stream_response)
+            ch.unary_unary(_wire.SCORE_METHOD, request_serializer=_wire.serialize,
+                           response_deserializer=_wire.parse_score_response)
             for ch in self._pipeline_channels]
         self._limits = None
         self._lock = threading.Lock()
@@ -251,87 +251,61 @@ class Client:
         return _api.assemble(responses, chunks, meta, request.request_id)
 
     def _score_pipelined(self, request, meta, chunks):
-        """The chunks over pipeline_streams ScoreStream calls (chunk i on stream i % streams,
-        each on its own connection and thread), at most pipeline_depth unanswered per stream; the
-        deadline (timeout) covers them all. A failed chunk cancels every stream (the server drops
-        the chunks queued behind it) and raises its error naming the rows of the whole request."""
-        streams = min(len(chunks), 1 + len(self._pipeline_methods))
+        """The chunks as unary Score calls kept in flight together: chunk i on connection
+        i % pipeline_streams, at most pipeline_depth unanswered per connection, so the server
+        computes one chunk while the next are on the wire. They are issued as grpcio futures from
+        this thread, which also serializes them: no Python thread per call or per stream (a
+        ScoreStream per call costs grpcio's request-iterator thread, plus one thread per extra
+        stream, and with the GIL that doubled the client's CPU per request: 10.6-12.3 ms vs
+        5.7-7.3 ms unsplit for 1024 x 4096 bf16 rows, measured). The deadline (timeout) covers
+        them all. A failed chunk cancels the rest (the server drops them) and raises its error
+        naming the rows of the whole request; UNAVAILABLE retries the whole request."""
+        methods = [self._score] + self._pipeline_methods
+        streams = min(len(chunks), len(methods))
+        window = streams * max(1, self._s.pipeline_depth)
         responses = [None] * len(chunks)
         failed = []
 
         def attempt(_request, timeout, metadata):
-            started[0] = time.monotonic()
+            deadline = None if timeout is None else time.monotonic() + timeout
             responses[:] = [None] * len(chunks)  # a retried attempt starts over
             del failed[:]
-            errors, calls = [], []
-            abort = threading.Event()
-            lock = threading.Lock()
+            pending = collections.deque()  # (chunk index, future), oldest first
+            issued = 0
 
-            def cancel_all():
-                abort.set()
-                with lock:
-                    for c in calls:
-                        c.cancel()
+            def expired():
+                return DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
+                                        % (timeout, len(chunks)))
 
-            def run(s):
-                window = threading.Semaphore(self._s.pipeline_depth)
-
-                def gen():
-                    for i in range(s, len(chunks), streams):
-                        window.acquire()
-                        if abort.is_set():
-                            return
-                        w = _api.chunk_request(request, chunks[i])
-                        w.message.request_id = str(i)
-                        yield w
-
-                method = self._score_stream if s == 0 else self._pipeline_methods[s - 1]
-                call = method(gen(), timeout=timeout, metadata=metadata)
-                with lock:
-                    calls.append(call)
-                try:
-                    for resp in call:
-                        i = int(resp.request_id)
-                        if resp.status_code:
-                            failed.append((i, resp))
-                            cancel_all()
-                            return
-                        responses[i] = resp.response
-                        window.release()
-                except grpc.RpcError as e:
-                    errors.append(e)
-                    cancel_all()
-                finally:
-                    window.release()  # a writer waiting for room sees `abort`
-                    call.cancel()     # no-op once finished
-
-            threads = [threading.Thread(target=run, args=(s,), daemon=True)
-                       for s in range(1, streams)]
-            for t in threads:
-                t.start()
-            run(0)
-            for t in threads:
-                t.join()
-            if failed:
-                return None
-            real = [e for e in errors if e.code() != grpc.StatusCode.CANCELLED]
-            if not real and errors and time.monotonic() >= started[0] + (timeout or 1e300):
-                # The server ends a stream past its deadline as CANCELLED, possibly before the
-                # client's own timer fires; this client cancels only after a failed chunk.
-                raise DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
-                                       % (timeout, len(chunks)))
-            if real or errors:
-                raise (real or errors)[0]
+            try:
+                while issued < len(chunks) or pending:
+                    while issued < len(chunks) and len(pending) < window:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise expired()
+                        w = _api.chunk_request(request, chunks[issued])
+                        pending.append((issued, methods[issued % streams].future(
+                            w, timeout=left, metadata=metadata)))
+                        issued += 1
+                    i, future = pending.popleft()
+                    try:
+                        responses[i] = future.result()
+                    except grpc.RpcError as e:
+                        if e.code() == grpc.StatusCode.UNAVAILABLE:
+                            raise  # the whole request is retried (Score is idempotent)
+                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout:
+                            raise expired() from None
+                        failed.append((i, from_rpc_error(e)))
+                        return None
+            finally:
+                for _, future in pending:
+                    future.cancel()
             return None
 
-        started = [time.monotonic()]
         self._call(attempt, None)
         if failed:
-            i, resp = min(failed, key=lambda f: f[0])
-            raise _api.chunk_error(error_for(resp.status_code, resp.status_message), chunks[i],
-                                   meta.rows, len(chunks)) from None
-        if any(r is None for r in responses):
-            raise _api.Internal("ScoreStream ended before every chunk was answered")
+            i, error = failed[0]
+            raise _api.chunk_error(error, chunks[i], meta.rows, len(chunks)) from None
         _api.check_same_versions(responses, chunks)
         return _api.assemble(responses, chunks, meta, request.request_id)
 

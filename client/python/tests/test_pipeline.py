@@ -1,5 +1,6 @@
-"""Client-side pipelining of large requests over ScoreStream: bitwise the unsplit result however
-the request is cut, errors naming the row of the whole request."""
+"""Client-side pipelining of large requests (the sync client's chunks are concurrent Score calls,
+the async client's go over ScoreStream): bitwise the unsplit result however the request is cut,
+errors naming the row of the whole request."""
 
 import numpy as np
 import pytest
