@@ -297,14 +297,11 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
     if (options_.max_rows_per_request > 0) {
       limits.max_rows = options_.max_rows_per_request;
     } else {
-      absl::StatusOr<Limits> server = GetLimits();
-      if (!server.ok()) return server.status();
-      limits = *server;
+      LOGITSERVE_ASSIGN_OR_RETURN(limits, GetLimits());
     }
   }
-  absl::StatusOr<std::vector<RowChunk>> plan =
-      PlanChunks(request, limits.max_rows, limits.max_bytes);
-  if (!plan.ok()) return plan.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::vector<RowChunk> plan,
+                              PlanChunks(request, limits.max_rows, limits.max_bytes));
   const int64_t row_bytes = RowBytes(request);
   if (options_.split_requests && options_.pipeline_chunk_bytes > 0 && row_bytes > 0) {
     const int64_t chunk_rows = std::max<int64_t>(1, options_.pipeline_chunk_bytes / row_bytes);
@@ -320,24 +317,23 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
   }
 
   ScoreOutput out;
-  if (plan->size() == 1) {
-    absl::StatusOr<v1::ScoreResponse> response = ScoreOnce(request);
-    if (!response.ok()) return response.status();
-    LOGITSERVE_RETURN_IF_ERROR(AppendChunkResponse(*response, plan->front(), out));
+  if (plan.size() == 1) {
+    LOGITSERVE_ASSIGN_OR_RETURN(v1::ScoreResponse response, ScoreOnce(request));
+    LOGITSERVE_RETURN_IF_ERROR(AppendChunkResponse(response, plan.front(), out));
     return out;
   }
 
   // Every per-request field, present or added later to the proto, reaches each chunk unchanged.
   v1::ScoreRequest without_rows = RequestWithoutRows(request);
   const int64_t total_rows = RequestRows(request);
-  for (const RowChunk& chunk : *plan) {
+  for (const RowChunk& chunk : plan) {
     const v1::ScoreRequest chunk_request = MakeChunkRequest(request, without_rows, chunk);
     absl::StatusOr<v1::ScoreResponse> response = ScoreOnce(chunk_request);
     if (!response.ok()) {
       const absl::Status& s = response.status();
       return absl::Status(s.code(), absl::StrCat("rows [", chunk.row_begin, ", ", chunk.row_end,
                                                  ") of ", total_rows, " (request split into ",
-                                                 plan->size(), " chunks by the server's limits): ",
+                                                 plan.size(), " chunks by the server's limits): ",
                                                  RebaseRowNumbers(s.message(), chunk.row_begin)));
     }
     LOGITSERVE_RETURN_IF_ERROR(AppendChunkResponse(*response, chunk, out));

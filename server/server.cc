@@ -113,16 +113,13 @@ absl::Status LoadHeads(const HeadOptions& heads, const std::string& test_fault, 
   for (const std::string& spec : heads.synthetic) {
     std::this_thread::sleep_for(delay);
     // The loader's messages already quote the flag and name the problem.
-    absl::StatusOr<SyntheticHeadSpec> parsed = ParseSyntheticHeadSpec(spec);
-    if (!parsed.ok()) return parsed.status();
-    absl::StatusOr<std::shared_ptr<HeadWeights>> head = MakeSyntheticHead(*parsed);
-    if (!head.ok()) return head.status();
-    loaded.push_back(*std::move(head));
+    LOGITSERVE_ASSIGN_OR_RETURN(SyntheticHeadSpec parsed, ParseSyntheticHeadSpec(spec));
+    LOGITSERVE_ASSIGN_OR_RETURN(std::shared_ptr<HeadWeights> head, MakeSyntheticHead(parsed));
+    loaded.push_back(std::move(head));
   }
   for (const std::string& spec : heads.files) {
-    absl::StatusOr<std::shared_ptr<HeadWeights>> head = ParseHeadFlag(spec);
-    if (!head.ok()) return head.status();
-    loaded.push_back(*std::move(head));
+    LOGITSERVE_ASSIGN_OR_RETURN(std::shared_ptr<HeadWeights> head, ParseHeadFlag(spec));
+    loaded.push_back(std::move(head));
   }
   for (std::shared_ptr<HeadWeights>& weights : loaded) {
     const std::string name = weights->name;
@@ -173,14 +170,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
 absl::Status Server::Start() {
   const ServerOptions& o = options_;
   // TLS and token files first: a bad file fails in milliseconds, before heads are loaded.
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      ServerCredentialsFromFiles(o.security.tls_cert, o.security.tls_key, o.security.tls_client_ca);
-  if (!credentials.ok()) return credentials.status();
-  credentials_ = *std::move(credentials);
-  absl::StatusOr<std::unique_ptr<Authorizer>> authorizer =
-      Authorizer::FromFiles(o.security.auth_token_file, o.security.admin_token_file);
-  if (!authorizer.ok()) return authorizer.status();
-  authorizer_ = *std::move(authorizer);
+  LOGITSERVE_ASSIGN_OR_RETURN(credentials_,
+                              ServerCredentialsFromFiles(o.security.tls_cert, o.security.tls_key,
+                                                         o.security.tls_client_ca));
+  LOGITSERVE_ASSIGN_OR_RETURN(
+      authorizer_, Authorizer::FromFiles(o.security.auth_token_file, o.security.admin_token_file));
   if (!authorizer_->enabled()) spdlog::warn("no --auth-token-file: every RPC is open");
   if (authorizer_->enabled() && !o.security.tls_cert.empty()) {
     // Tokens are checked on the initial metadata, before gRPC reads a request (TLS only: gRPC
@@ -255,10 +249,8 @@ absl::Status Server::Start() {
             {{}, static_cast<double>(service->admitted_bytes())}};
       });
   if (!o.metrics.listen.empty()) {
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
-        MetricsHttpServer::Start(o.metrics.listen, metrics_.get());
-    if (!started.ok()) return started.status();
-    metrics_http_ = *std::move(started);
+    LOGITSERVE_ASSIGN_OR_RETURN(metrics_http_,
+                                MetricsHttpServer::Start(o.metrics.listen, metrics_.get()));
   }
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "client/tensor.h"
 #include "common/base/read_file.h"
+#include "common/base/status_macros.h"
 #include "logitserve/v1/logitserve.grpc.pb.h"
 
 namespace logitserve::bench {
@@ -472,24 +473,17 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& o) {
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!o.tls_ca_file.empty()) {
     grpc::SslCredentialsOptions ssl;
-    absl::StatusOr<std::string> ca = ReadFile(o.tls_ca_file, "--tls-ca");
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
+    LOGITSERVE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(o.tls_ca_file, "--tls-ca"));
     if (!o.tls_cert_file.empty()) {
-      absl::StatusOr<std::string> cert = ReadFile(o.tls_cert_file, "--tls-cert");
-      if (!cert.ok()) return cert.status();
-      absl::StatusOr<std::string> key = ReadFile(o.tls_key_file, "--tls-key");
-      if (!key.ok()) return key.status();
-      ssl.pem_cert_chain = *cert;
-      ssl.pem_private_key = *key;
+      LOGITSERVE_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFile(o.tls_cert_file, "--tls-cert"));
+      LOGITSERVE_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFile(o.tls_key_file, "--tls-key"));
     }
     creds = grpc::SslCredentials(ssl);
   }
   std::string bearer;
   if (!o.token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadFile(o.token_file, "--token-file");
-    if (!token.ok()) return token.status();
-    bearer = absl::StrCat("Bearer ", absl::StripAsciiWhitespace(*token));
+    LOGITSERVE_ASSIGN_OR_RETURN(std::string token, ReadFile(o.token_file, "--token-file"));
+    bearer = absl::StrCat("Bearer ", absl::StripAsciiWhitespace(token));
   }
 
   std::vector<std::unique_ptr<v1::Scorer::Stub>> stubs;
@@ -522,21 +516,18 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& o) {
     }
     return absl::NotFoundError(absl::StrCat("head '", name, "' is not served by ", o.target));
   };
-  absl::StatusOr<HeadShape> model = find(o.head);
-  if (!model.ok()) return model.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(HeadShape model, find(o.head));
   HeadShape reference;
   if (!o.reference_head.empty()) {
-    absl::StatusOr<HeadShape> r = find(o.reference_head);
-    if (!r.ok()) return r.status();
-    reference = *r;
+    LOGITSERVE_ASSIGN_OR_RETURN(reference, find(o.reference_head));
   }
-  absl::StatusOr<std::vector<v1::ScoreRequest>> pool = BuildRequests(o, *model, reference);
-  if (!pool.ok()) return pool.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(std::vector<v1::ScoreRequest> pool,
+                              BuildRequests(o, model, reference));
 
   const Clock::time_point start = Clock::now();
   Run run{o,
           std::move(stubs),
-          *std::move(pool),
+          std::move(pool),
           bearer,
           start,
           start + std::chrono::duration_cast<Clock::duration>(o.duration),
@@ -612,8 +603,8 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& o) {
                     {"warmup_s", Seconds(o.warmup)},
                     {"connections", o.connections},
                     {"tokens", o.tokens},
-                    {"hidden_size", model->hidden},
-                    {"vocab_size", model->vocab},
+                    {"hidden_size", model.hidden},
+                    {"vocab_size", model.vocab},
                     {"hidden_dtype", o.hidden_dtype},
                     {"target_ids", o.target_ids},
                     {"top_k", o.top_k},

@@ -72,31 +72,30 @@ class NormalGenerator {
 }  // namespace
 
 absl::StatusOr<ScoreInput> LoadScoreInput(const std::string& path) {
-  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
-  if (!file.ok()) return file.status();
-  const bool has_hidden = file->Find("hidden") != nullptr;
-  const bool has_logits = file->Find("logits") != nullptr;
+  LOGITSERVE_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(path));
+  const bool has_hidden = file.Find("hidden") != nullptr;
+  const bool has_logits = file.Find("logits") != nullptr;
   if (has_hidden == has_logits) {
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": needs exactly one of the tensors 'hidden' [N, H] or 'logits' [N, V]; it has ",
         has_hidden
             ? "both"
-            : absl::StrCat("neither (tensors: ", absl::StrJoin(file->tensor_names(), ", "), ")")));
+            : absl::StrCat("neither (tensors: ", absl::StrJoin(file.tensor_names(), ", "), ")")));
   }
-  if (file->Find("reference_hidden") != nullptr && file->Find("reference_logits") != nullptr) {
+  if (file.Find("reference_hidden") != nullptr && file.Find("reference_logits") != nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": has both 'reference_hidden' and 'reference_logits'; keep one"));
   }
   ScoreInput input;
   v1::ScoreRequest& r = input.request;
   const std::string model = has_hidden ? "hidden" : "logits";
-  if (absl::Status s = CopyTensor(*file, model, false, 2, 2,
+  if (absl::Status s = CopyTensor(file, model, false, 2, 2,
                                   has_hidden ? *r.mutable_hidden() : *r.mutable_logits());
       !s.ok()) {
     return s;
   }
-  const int64_t rows = file->Find(model)->shape[0];
-  for (const std::string& name : file->tensor_names()) {
+  const int64_t rows = file.Find(model)->shape[0];
+  for (const std::string& name : file.tensor_names()) {
     v1::Tensor* dst = nullptr;
     bool integer = false;
     int min_rank = 2;
@@ -113,7 +112,7 @@ absl::StatusOr<ScoreInput> LoadScoreInput(const std::string& path) {
       input.ignored_tensors.push_back(name);
       continue;
     }
-    LOGITSERVE_RETURN_IF_ERROR(CopyTensor(*file, name, integer, min_rank, 2, *dst));
+    LOGITSERVE_RETURN_IF_ERROR(CopyTensor(file, name, integer, min_rank, 2, *dst));
     if (dst->shape(0) != rows) {
       return absl::InvalidArgumentError(absl::StrCat(
           path, ": tensor '", name, "' has ", dst->shape(0), " rows but '", model, "' has ", rows));

@@ -330,8 +330,7 @@ class LoadHeadReactor final : public grpc::ServerReadReactor<v1::LoadHeadRequest
     if (current == nullptr) {
       LOGITSERVE_RETURN_IF_ERROR(heads_->Add(*prepared));
     } else {
-      absl::StatusOr<std::shared_ptr<const PreparedHead>> old = heads_->Replace(*prepared);
-      if (!old.ok()) return old.status();
+      LOGITSERVE_RETURN_IF_ERROR(heads_->Replace(*prepared).status());
     }
     ScorerService::FillHeadInfo((*prepared)->weights(), *backend_, response_->mutable_head());
     return absl::OkStatus();

@@ -140,11 +140,11 @@ int64_t ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Sc
           return absl::InvalidArgumentError(
               absl::StrCat(field, ".shared_memory: this server takes no shared-memory inputs"));
         }
-        absl::StatusOr<SharedMemoryRegistry::Resolved> r =
-            options_.shared_memory->Resolve(field, ref.region(), ref.offset(), bytes);
-        if (!r.ok()) return r.status();
-        leases->push_back(std::move(r->lease));
-        return r->bytes;
+        LOGITSERVE_ASSIGN_OR_RETURN(
+            SharedMemoryRegistry::Resolved r,
+            options_.shared_memory->Resolve(field, ref.region(), ref.offset(), bytes));
+        leases->push_back(std::move(r.lease));
+        return r.bytes;
       });
   if (!validated.ok()) {
     spdlog::debug("Score request '{}' rejected: {}", QuoteClientText(request.request_id()),

@@ -82,10 +82,8 @@ absl::StatusOr<CheckedTensor> CheckTensor(const v1::Tensor& t, absl::string_view
           absl::StrCat(field, ".shared_memory.byte_size: ", ref.byte_size(), " bytes, but shape ",
                        ShapeString(t), " of ", wire::DTypeName(t.dtype()), " needs ", bytes));
     }
-    absl::StatusOr<absl::string_view> view =
-        shared_memory(field, ref, static_cast<uint64_t>(bytes));
-    if (!view.ok()) return view.status();
-    checked.bytes = *view;
+    LOGITSERVE_ASSIGN_OR_RETURN(checked.bytes,
+                                shared_memory(field, ref, static_cast<uint64_t>(bytes)));
     return checked;
   }
   if (static_cast<uint64_t>(bytes) != t.data().size()) {
@@ -207,11 +205,11 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
       return absl::InvalidArgumentError(
           absl::StrCat(names.version, ": set, but ", names.logits, " use no head"));
     }
-    absl::StatusOr<CheckedTensor> checked = CheckTensor(
-        in.logits, names.logits, ElementKind::kFloat, 2, 2, "2 ([N, V])", shared_memory);
-    if (!checked.ok()) return checked.status();
-    const int64_t rows = checked->dims[0];
-    const int64_t vocab = checked->dims[1];
+    LOGITSERVE_ASSIGN_OR_RETURN(CheckedTensor checked,
+                                CheckTensor(in.logits, names.logits, ElementKind::kFloat, 2, 2,
+                                            "2 ([N, V])", shared_memory));
+    const int64_t rows = checked.dims[0];
+    const int64_t vocab = checked.dims[1];
     if (rows > limits.max_tokens_per_request) {
       return absl::ResourceExhaustedError(
           absl::StrCat(names.logits, ": ", rows, " rows exceed the server limit of ",
@@ -221,7 +219,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
       return absl::InvalidArgumentError(absl::StrCat(names.logits, ": vocabulary size ", vocab,
                                                      " is outside [1, ", kInt32Max, "]"));
     }
-    out->logits = ViewOf(in.logits, *checked);
+    out->logits = ViewOf(in.logits, checked);
     out->field = names.logits;
     *version = 0;
     return std::make_pair(rows, vocab);
@@ -230,10 +228,10 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
   if (in.head.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(names.head, ": required with ", names.hidden));
   }
-  absl::StatusOr<CheckedTensor> checked =
-      CheckTensor(in.hidden, names.hidden, ElementKind::kFloat, 2, 2, "2 ([N, H])", shared_memory);
-  if (!checked.ok()) return checked.status();
-  const std::vector<int64_t>* dims = &checked->dims;
+  LOGITSERVE_ASSIGN_OR_RETURN(
+      CheckedTensor checked,
+      CheckTensor(in.hidden, names.hidden, ElementKind::kFloat, 2, 2, "2 ([N, H])", shared_memory));
+  const std::vector<int64_t>* dims = &checked.dims;
   const int64_t rows = (*dims)[0];
   if (rows > limits.max_tokens_per_request) {
     return absl::ResourceExhaustedError(
@@ -256,7 +254,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ValidateSide(
         absl::StrCat(names.hidden, ": width ", (*dims)[1], " != hidden size ", w.hidden_size,
                      " of ", names.head, " '", QuoteClientText(in.head), "'"));
   }
-  out->hidden = ViewOf(in.hidden, *checked);
+  out->hidden = ViewOf(in.hidden, checked);
   out->head = std::move(head);
   out->field = names.hidden;
   *version = w.version;
@@ -273,10 +271,10 @@ absl::Status CheckTemperature(bool has, float t, absl::string_view field) {
 absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
                               int32_t ignore_index, int32_t max_ids_per_row,
                               SharedMemoryResolver shared_memory, ScoreJob* job) {
-  absl::StatusOr<CheckedTensor> checked = CheckTensor(t, "target_ids", ElementKind::kIndex, 1, 2,
-                                                      "1 ([N]) or 2 ([N, K])", shared_memory);
-  if (!checked.ok()) return checked.status();
-  const std::vector<int64_t>* dims = &checked->dims;
+  LOGITSERVE_ASSIGN_OR_RETURN(CheckedTensor checked,
+                              CheckTensor(t, "target_ids", ElementKind::kIndex, 1, 2,
+                                          "1 ([N]) or 2 ([N, K])", shared_memory));
+  const std::vector<int64_t>* dims = &checked.dims;
   if ((*dims)[0] != rows) {
     return absl::InvalidArgumentError(absl::StrCat(
         "target_ids: ", (*dims)[0], " rows != N = ", rows, " rows of the model input"));
@@ -292,7 +290,7 @@ absl::Status ConvertTargetIds(const v1::Tensor& t, int64_t rows, int64_t vocab,
   const int64_t n = rows * k;  // == product(shape), checked by CheckTensor
   job->ids_per_row = static_cast<int32_t>(k);
   job->target_ids.resize(n);
-  const char* data = checked->bytes.data();
+  const char* data = checked.bytes.data();
   const bool is64 = t.dtype() == v1::DATA_TYPE_INT64;
   for (int64_t i = 0; i < n; ++i) {
     int64_t id;
@@ -346,11 +344,11 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
       request.has_logits(),
       request.logits(),
       request.has_head_version() ? std::optional<uint64_t>(request.head_version()) : std::nullopt};
-  absl::StatusOr<std::pair<int64_t, int64_t>> model_shape = ValidateSide(
-      model_in, kModelNames, heads, limits, shared_memory, &job.model, &v.head_version);
-  if (!model_shape.ok()) return model_shape.status();
-  job.rows = model_shape->first;
-  job.vocab = model_shape->second;
+  LOGITSERVE_ASSIGN_OR_RETURN(auto model_shape,
+                              ValidateSide(model_in, kModelNames, heads, limits, shared_memory,
+                                           &job.model, &v.head_version));
+  job.rows = model_shape.first;
+  job.vocab = model_shape.second;
 
   // Scalar options.
   if (absl::Status s =
@@ -406,19 +404,18 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
                            request.has_reference_head_version()
                                ? std::optional<uint64_t>(request.reference_head_version())
                                : std::nullopt};
-    absl::StatusOr<std::pair<int64_t, int64_t>> ref_shape =
-        ValidateSide(ref_in, kReferenceNames, heads, limits, shared_memory, &job.reference,
-                     &v.reference_head_version);
-    if (!ref_shape.ok()) return ref_shape.status();
-    if (ref_shape->first != job.rows) {
-      return absl::InvalidArgumentError(absl::StrCat(job.reference.field, ": ", ref_shape->first,
+    LOGITSERVE_ASSIGN_OR_RETURN(auto ref_shape,
+                                ValidateSide(ref_in, kReferenceNames, heads, limits, shared_memory,
+                                             &job.reference, &v.reference_head_version));
+    if (ref_shape.first != job.rows) {
+      return absl::InvalidArgumentError(absl::StrCat(job.reference.field, ": ", ref_shape.first,
                                                      " rows != ", job.rows, " rows of ",
                                                      job.model.field));
     }
-    if (ref_shape->second != job.vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(job.reference.field, ": vocabulary size ", ref_shape->second,
-                       " != model vocabulary size ", job.vocab, " (of ", job.model.field, ")"));
+    if (ref_shape.second != job.vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(job.reference.field, ": vocabulary size ",
+                                                     ref_shape.second, " != model vocabulary size ",
+                                                     job.vocab, " (of ", job.model.field, ")"));
     }
     job.reference.temperature =
         request.has_reference_temperature() ? request.reference_temperature() : 1.0f;

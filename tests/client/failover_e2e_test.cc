@@ -29,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/tensor.h"
+#include "common/base/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
@@ -56,9 +57,8 @@ constexpr int kSlowTileMs = 20;
 absl::StatusOr<std::optional<double>> ScrapeSample(const std::string& host_port,
                                                    const std::string& name,
                                                    const testing::Labels& labels = {}) {
-  absl::StatusOr<testing::Exposition> e = testing::ScrapeMetrics(host_port);
-  if (!e.ok()) return e.status();
-  for (const auto& [family_name, family] : *e) {
+  LOGITSERVE_ASSIGN_OR_RETURN(testing::Exposition e, testing::ScrapeMetrics(host_port));
+  for (const auto& [family_name, family] : e) {
     for (const testing::PromSample& sample : family.samples) {
       if (sample.name != name) continue;
       bool all = true;
@@ -75,10 +75,10 @@ absl::StatusOr<std::optional<double>> ScrapeSample(const std::string& host_port,
 // logitserve_requests_total{method="Score",code="OK"}: Score requests the server completed (a
 // series appears with its first request, so an absent one is 0).
 absl::StatusOr<double> ScoreOkCount(const std::string& host_port) {
-  absl::StatusOr<std::optional<double>> value =
-      ScrapeSample(host_port, "logitserve_requests_total", {{"method", "Score"}, {"code", "OK"}});
-  if (!value.ok()) return value.status();
-  return value->value_or(0.0);
+  LOGITSERVE_ASSIGN_OR_RETURN(
+      std::optional<double> value,
+      ScrapeSample(host_port, "logitserve_requests_total", {{"method", "Score"}, {"code", "OK"}}));
+  return value.value_or(0.0);
 }
 
 v1::ScoreRequest MakeRequest() {

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 
 #ifndef LOGITSERVE_BINARY_DIR
 #error "LOGITSERVE_BINARY_DIR must name the build tree"
@@ -147,8 +148,7 @@ std::string ServerProcess::DefaultBinary() {
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     std::vector<std::string> args, std::string binary, std::chrono::milliseconds timeout) {
   if (binary.empty()) binary = DefaultBinary();
-  absl::StatusOr<Child> child = Spawn(binary, args, /*merge_stderr=*/false);
-  if (!child.ok()) return child.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(Child child, Spawn(binary, args, /*merge_stderr=*/false));
   const Clock::time_point deadline = Clock::now() + timeout;
   std::string out;
   while (true) {
@@ -158,7 +158,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       const size_t begin = prefix + std::strlen(kListeningPrefix);
       std::string address = out.substr(begin, eol - begin);
       auto server = std::unique_ptr<ServerProcess>(
-          new ServerProcess(child->pid, child->fd, std::move(address)));
+          new ServerProcess(child.pid, child.fd, std::move(address)));
       std::string rest = out.substr(0, prefix) + out.substr(eol + 1);
       server->metrics_address_ = TakeLine(rest, kMetricsPrefix);
       {
@@ -168,17 +168,17 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       server->reader_ = std::thread([s = server.get()] { s->ReadRemainingOutput(); });
       return server;
     }
-    const int n = ReadSome(child->fd, RemainingMs(deadline), &out);
+    const int n = ReadSome(child.fd, RemainingMs(deadline), &out);
     if (n == 0) {  // EOF: the server exited without listening
-      close(child->fd);
-      const std::optional<int> code = WaitFor(child->pid, std::chrono::seconds(10));
-      const int exit_code = code.has_value() ? *code : KillAndReap(child->pid);
+      close(child.fd);
+      const std::optional<int> code = WaitFor(child.pid, std::chrono::seconds(10));
+      const int exit_code = code.has_value() ? *code : KillAndReap(child.pid);
       return absl::FailedPreconditionError(absl::StrCat("logitserve exited with status ", exit_code,
                                                         " before listening; stdout: ", out));
     }
     if (n < 0 || RemainingMs(deadline) == 0) {
-      close(child->fd);
-      KillAndReap(child->pid);
+      close(child.fd);
+      KillAndReap(child.pid);
       return absl::DeadlineExceededError(absl::StrCat(
           "logitserve printed no listening line within ", timeout.count(), " ms; stdout: ", out));
     }
@@ -188,23 +188,22 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
 absl::StatusOr<ServerProcess::ExitResult> ServerProcess::RunToExit(
     std::vector<std::string> args, std::string binary, std::chrono::milliseconds timeout) {
   if (binary.empty()) binary = DefaultBinary();
-  absl::StatusOr<Child> child = Spawn(binary, args, /*merge_stderr=*/true);
-  if (!child.ok()) return child.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(Child child, Spawn(binary, args, /*merge_stderr=*/true));
   const Clock::time_point deadline = Clock::now() + timeout;
   ExitResult result;
   bool killed = false;
   while (true) {
-    const int n = ReadSome(child->fd, killed ? 1000 : RemainingMs(deadline), &result.output);
+    const int n = ReadSome(child.fd, killed ? 1000 : RemainingMs(deadline), &result.output);
     if (n == 0) break;
     if (n < 0 || (!killed && RemainingMs(deadline) == 0)) {
       if (killed) break;  // a grandchild holds the pipe; stop reading
-      kill(child->pid, SIGKILL);
+      kill(child.pid, SIGKILL);
       killed = true;
     }
   }
-  close(child->fd);
-  const std::optional<int> code = WaitFor(child->pid, std::chrono::seconds(10));
-  result.exit_code = code.has_value() ? *code : KillAndReap(child->pid);
+  close(child.fd);
+  const std::optional<int> code = WaitFor(child.pid, std::chrono::seconds(10));
+  result.exit_code = code.has_value() ? *code : KillAndReap(child.pid);
   return result;
 }
 

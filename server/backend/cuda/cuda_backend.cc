@@ -119,9 +119,8 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
   LOGITSERVE_RETURN_IF_ERROR(guard.status());
   LtHandle lt;  // its own handle: the ranks' handles may be busy in a concurrent Score
   LOGITSERVE_RETURN_IF_ERROR(lt.Create());
-  absl::StatusOr<std::unique_ptr<CudaTileGemm>> g = CudaTileGemm::Create(lt.get(), k_pad);
-  if (!g.ok()) return g.status();
-  std::shared_ptr<const CudaTileGemm> shared = *std::move(g);
+  LOGITSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const CudaTileGemm> shared,
+                              CudaTileGemm::Create(lt.get(), k_pad));
   gemms_.emplace(std::make_pair(device, k_pad), shared);
   return shared;
 }
@@ -154,9 +153,7 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CudaBackend::PrepareHead(
     if (width == 0) continue;
     DeviceGuard guard(rank.device);
     LOGITSERVE_RETURN_IF_ERROR(guard.status());
-    absl::StatusOr<std::shared_ptr<const CudaTileGemm>> gemm = GemmFor(rank.device, head->k_pad);
-    if (!gemm.ok()) return gemm.status();
-    shard.gemm = *std::move(gemm);
+    LOGITSERVE_ASSIGN_OR_RETURN(shard.gemm, GemmFor(rank.device, head->k_pad));
     shard.padded_rows = RoundUp(width, kCudaVocabChunk);
     const size_t part_elems = static_cast<size_t>(shard.padded_rows * head->k_pad);
     if (auto s = shard.weights.Reserve(
@@ -303,8 +300,7 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   if (job.NeedsReference()) {
     LOGITSERVE_RETURN_IF_ERROR(CheckHead(job.reference));
   }
-  absl::StatusOr<JobPlan> plan = Plan(job);
-  if (!plan.ok()) return plan.status();
+  LOGITSERVE_ASSIGN_OR_RETURN(JobPlan plan, Plan(job));
 
   absl::MutexLock lock(&score_mu_);
   if (absl::Status h = Health(); !h.ok()) return h;  // failed while this job waited
@@ -316,7 +312,7 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
     if (IsFatalDeviceError(s)) fatal_.Fail(s);
   };
   auto run_rank = [&](int r) {
-    RankWorker worker(*ranks_[static_cast<size_t>(r)], *plan, ranks, failure, fatal_,
+    RankWorker worker(*ranks_[static_cast<size_t>(r)], plan, ranks, failure, fatal_,
                       options_.collective_timeout,
                       r == options_.test_fail_rank ? options_.test_fail_step : -1, fault_);
     // Prepare only allocates and uploads; the ranks agree on it before the first collective.
@@ -484,13 +480,12 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   if (options.collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("collective_timeout must be > 0");
   }
-  absl::StatusOr<TestFault> fault = ParseTestFault(options.test_fault, shards);
-  if (!fault.ok()) return fault.status();
-  if (fault->kind == TestFault::kSkipCollective && shards > static_cast<int>(devices.size())) {
+  LOGITSERVE_ASSIGN_OR_RETURN(TestFault fault, ParseTestFault(options.test_fault, shards));
+  if (fault.kind == TestFault::kSkipCollective && shards > static_cast<int>(devices.size())) {
     return absl::InvalidArgumentError(
         "test fault skip-collective needs one vocabulary shard per GPU (NCCL)");
   }
-  if (fault->kind == TestFault::kSkipCollective && shards < 2) {
+  if (fault.kind == TestFault::kSkipCollective && shards < 2) {
     return absl::InvalidArgumentError("test fault skip-collective needs two or more shards");
   }
   std::vector<std::unique_ptr<Rank>> ranks;
@@ -533,17 +528,17 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   }
   if (shards > 1) {
     const bool distinct = shards <= static_cast<int>(devices.size());
-    absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> comms =
+    LOGITSERVE_ASSIGN_OR_RETURN(
+        std::vector<std::unique_ptr<Communicator>> comms,
         distinct ? CreateNcclCommunicators(rank_devices, streams, options.collective_timeout)
-                 : CreateDeviceCopyCommunicators(rank_devices, streams);
-    if (!comms.ok()) return comms.status();
+                 : CreateDeviceCopyCommunicators(rank_devices, streams));
     for (int r = 0; r < shards; ++r) {
       Rank& rank = *ranks[static_cast<size_t>(r)];
-      rank.comm = std::move((*comms)[static_cast<size_t>(r)]);
+      rank.comm = std::move(comms[static_cast<size_t>(r)]);
       rank.nccl = distinct ? static_cast<NcclCommunicator*>(rank.comm.get()) : nullptr;
     }
   }
-  return std::unique_ptr<Backend>(new CudaBackend(options, std::move(ranks), *fault));
+  return std::unique_ptr<Backend>(new CudaBackend(options, std::move(ranks), fault));
 }
 
 }  // namespace logitserve

@@ -367,19 +367,18 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     if (split && !plan_.jsd_pass && g >= 2) {
       LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slot_free[e]));
     }
-    absl::StatusOr<kc::LogitsSource> a = Source(model_, c, row0, /*compute=*/true, slot);
-    if (!a.ok()) return a.status();
-    absl::StatusOr<kc::LogitsSource> b;
+    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource a,
+                                Source(model_, c, row0, /*compute=*/true, slot));
+    kc::LogitsSource b;
     if (plan_.pair) {
-      b = Source(ref_, c, row0, /*compute=*/true, slot);
-      if (!b.ok()) return b.status();
+      LOGITSERVE_ASSIGN_OR_RETURN(b, Source(ref_, c, row0, /*compute=*/true, slot));
     }
     if (split) {
       LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled[e], gemm_stream()));
       LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
     }
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
-    const kc::LogitsSource* ref = plan_.pair ? &*b : nullptr;
+    const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
     if (job_.top_k > 0) {
       // Only the top-k counts need a defined start: every statistics record and every target
       // logit the fold reads is written by this tile's kernels (a target id is read from the
@@ -388,12 +387,12 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
         LOGITSERVE_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
       }
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStatsTopK(*a, ref, rows, stats, m.max_blocks,
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStatsTopK(a, ref, rows, stats, m.max_blocks,
                                                                local_block, job_.top_k, lists,
                                                                counts, topk_scratch_, stream()));
     } else {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          kc::LaunchBlockStats(*a, ref, rows, stats, m.max_blocks, local_block, stream()));
+          kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream()));
     }
     if (c == 0) {
       cleared = true;
@@ -401,7 +400,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     }
     if (job_.ids_per_row > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
-          *a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
+          a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
     }
     if (split && !plan_.jsd_pass) {
       LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_free[e], stream()));
@@ -433,12 +432,10 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(partial_send_, 0, bytes, stream()));
   for (int64_t c = 0; c < num_chunks_; ++c) {
     // Logits mode reads the staged (or resident) tile again; hidden mode its kept chunks.
-    absl::StatusOr<kc::LogitsSource> s = Source(model_, c, row0, /*compute=*/false, c);
-    if (!s.ok()) return s.status();
-    absl::StatusOr<kc::LogitsSource> t = Source(ref_, c, row0, /*compute=*/false, c);
-    if (!t.ok()) return t.status();
+    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource s, Source(model_, c, row0, /*compute=*/false, c));
+    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource t, Source(ref_, c, row0, /*compute=*/false, c));
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdPartials(*s, *t, rows, folded_a_, folded_b_,
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdPartials(s, t, rows, folded_a_, folded_b_,
                                                           *job_.jsd_beta, partial_send_,
                                                           plan_.max_blocks, local_block, stream()));
   }

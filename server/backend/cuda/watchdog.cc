@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "server/backend/cuda/cuda_status.h"
 
 namespace logitserve {
@@ -32,9 +33,8 @@ absl::Status PollUntil(absl::FunctionRef<absl::StatusOr<bool>()> poll, absl::Dur
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + timeout;
   for (;;) {
-    absl::StatusOr<bool> done = poll();
-    if (!done.ok()) return done.status();
-    if (*done) return absl::OkStatus();
+    LOGITSERVE_ASSIGN_OR_RETURN(bool done, poll());
+    if (done) return absl::OkStatus();
     if (fatal != nullptr && fatal->failed()) {
       return absl::AbortedError(
           absl::StrCat(what, ": abandoned after a fatal device error elsewhere in the backend"));
