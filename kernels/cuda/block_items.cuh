@@ -176,22 +176,6 @@ inline bool Supported(const LogitsSource& s) {
   return s.type == FloatType::kFloat32 || !s.transform.head;
 }
 
-// Calls f(std::integral_constant<FloatType, T>{}) for the run-time type t.
-template <typename F>
-void WithType(FloatType t, F&& f) {
-  switch (t) {
-    case FloatType::kFloat32:
-      f(std::integral_constant<FloatType, FloatType::kFloat32>{});
-      break;
-    case FloatType::kBFloat16:
-      f(std::integral_constant<FloatType, FloatType::kBFloat16>{});
-      break;
-    case FloatType::kFloat16:
-      f(std::integral_constant<FloatType, FloatType::kFloat16>{});
-      break;
-  }
-}
-
 // Warp w of CTA x owns (row, block) pair x * kPairWarps + w of the grid's rows * blocks pairs,
 // blocks of a row adjacent. Returns false for the grid's spare warps (uniform per warp).
 __device__ __forceinline__ bool WarpPair(int64_t blocks, int64_t pairs, int64_t* row,

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "logitserve/kernels/cuda_kernels.h"
 
@@ -123,6 +124,22 @@ __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
   return x;
+}
+
+// Calls f(std::integral_constant<FloatType, T>{}) for the run-time type t.
+template <typename F>
+void WithType(FloatType t, F&& f) {
+  switch (t) {
+    case FloatType::kFloat32:
+      f(std::integral_constant<FloatType, FloatType::kFloat32>{});
+      break;
+    case FloatType::kBFloat16:
+      f(std::integral_constant<FloatType, FloatType::kBFloat16>{});
+      break;
+    case FloatType::kFloat16:
+      f(std::integral_constant<FloatType, FloatType::kFloat16>{});
+      break;
+  }
 }
 
 }  // namespace logitserve::kernels::cuda::detail

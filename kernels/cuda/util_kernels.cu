@@ -111,20 +111,10 @@ cudaError_t LaunchSplitToBf16(FloatType type, const void* src, int64_t src_ld, i
   if (col_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(col_blocks),
                   static_cast<unsigned>(dst_rows < 65535 ? dst_rows : 65535));
-  switch (type) {
-    case FloatType::kFloat32:
-      SplitKernel<FloatType::kFloat32><<<grid, kThreads, 0, stream>>>(
-          src, src_ld, rows, cols, parts, dst, dst_rows, dst_ld, part_stride);
-      break;
-    case FloatType::kBFloat16:
-      SplitKernel<FloatType::kBFloat16><<<grid, kThreads, 0, stream>>>(
-          src, src_ld, rows, cols, parts, dst, dst_rows, dst_ld, part_stride);
-      break;
-    case FloatType::kFloat16:
-      SplitKernel<FloatType::kFloat16><<<grid, kThreads, 0, stream>>>(
-          src, src_ld, rows, cols, parts, dst, dst_rows, dst_ld, part_stride);
-      break;
-  }
+  detail::WithType(type, [&](auto t) {
+    SplitKernel<decltype(t)::value><<<grid, kThreads, 0, stream>>>(
+        src, src_ld, rows, cols, parts, dst, dst_rows, dst_ld, part_stride);
+  });
   return cudaGetLastError();
 }
 

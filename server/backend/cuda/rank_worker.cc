@@ -27,9 +27,9 @@ struct HostCopy {
 // The host side of the output copy-back, split over threads when large: one core copies ~10 GB/s,
 // so the 4 MB of a top-k = 64 output for 8192 rows took as long on one as the top-k kernels
 // (64 MB for k = 1024: ten times longer). Thread i copies bytes [i * share, (i + 1) * share) of
-// the concatenated copies, whose sources lie in increasing order in one staging block; Piece(i)
-// is the staging range that share reads, so the device-to-host copy of the block can go in those
-// pieces and thread i start as soon as piece i has arrived.
+// the concatenated copies, whose sources lie in increasing order in one staging block; PieceEnd(i)
+// is where the staging range that share reads ends, so the device-to-host copy of the block can go
+// in those pieces and thread i start as soon as piece i has arrived.
 class SplitCopy {
  public:
   explicit SplitCopy(std::vector<HostCopy> copies) : copies_(std::move(copies)) {
@@ -43,16 +43,14 @@ class SplitCopy {
   static constexpr size_t kMaxThreads = kOutputPieces;
   size_t threads() const { return n_; }
 
-  // [lo, hi) of the sources (pointers into the staging block) that share i reads.
-  std::pair<const uint8_t*, const uint8_t*> Piece(size_t i) const {
-    const uint8_t* lo = nullptr;
-    const uint8_t* hi = nullptr;
+  // Where the sources that share i reads end, as an offset from `base` (the staging block they
+  // all lie in); 0 for an empty share.
+  size_t PieceEnd(size_t i, const uint8_t* base) const {
+    size_t end = 0;
     ForShare(i, [&](const HostCopy& c, size_t off, size_t bytes) {
-      const uint8_t* p = static_cast<const uint8_t*>(c.src) + off;
-      if (lo == nullptr) lo = p;
-      hi = p + bytes;
+      end = static_cast<size_t>(static_cast<const uint8_t*>(c.src) + off + bytes - base);
     });
-    return {lo, hi};
+    return end;
   }
   void Run(size_t i) const {
     ForShare(i, [](const HostCopy& c, size_t off, size_t bytes) {
@@ -133,8 +131,8 @@ absl::Status RankWorker::Prepare() {
   const size_t ids_count = n * static_cast<size_t>(job_.ids_per_row);
   const size_t ids_at = carver.Add(ids_count * sizeof(int32_t));
   // The bad-row markers, then the requested outputs (rank 0 only), in one block laid out exactly
-  // as its pinned staging after the ids: Finish brings it back with one copy (each copy is a few
-  // us of latency at the end of the job).
+  // as its pinned staging after the ids: Finish brings it back in one copy per host thread, not
+  // one per output (each copy is a few us of latency at the end of the job).
   const size_t topk_count = n * static_cast<size_t>(job_.top_k);
   Carver block;
   block.Add(2 * sizeof(int32_t));  // first_bad_ at offset 0
@@ -580,12 +578,11 @@ absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_b
     // bad-row markers at the start of the block; the last event follows everything queued.
     const SplitCopy split(std::move(copies));
     LOGITSERVE_RETURN_IF_ERROR(JoinGemmStream());
-    const uint8_t* from = io;
+    size_t from = 0;  // offsets in the output block and its staging alike
     for (size_t i = 0; i < split.threads(); ++i) {
-      const uint8_t* end = i + 1 == split.threads() ? io + out_block_bytes_ : split.Piece(i).second;
-      if (end != nullptr && end > from) {
-        LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(const_cast<uint8_t*>(from),
-                                                        out_block_ + (from - io), end - from,
+      const size_t end = i + 1 == split.threads() ? out_block_bytes_ : split.PieceEnd(i, io);
+      if (end > from) {
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + from, out_block_ + from, end - from,
                                                         cudaMemcpyDeviceToHost, stream()));
         from = end;
       }
