@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from . import _api, _pb, _wire
+from . import _api, _malloc, _pb, _wire
 from ._errors import DeadlineExceeded, LogitserveError, from_rpc_error
 
 
@@ -45,7 +45,7 @@ class _Settings:
     def __init__(self, target, token, admin_token, tls, timeout, max_retries, initial_backoff,
                  max_backoff, backoff_multiplier, load_balancing, split_requests,
                  max_rows_per_request, channel_options, pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4, pipeline_streams=2):
+                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True):
         if max_retries < 0 or initial_backoff < 0 or max_backoff < initial_backoff or \
                 backoff_multiplier < 1:
             raise ValueError("need max_retries >= 0, 0 <= initial_backoff <= max_backoff and "
@@ -66,6 +66,8 @@ class _Settings:
         self.pipeline_streams = max(1, int(pipeline_streams))
         self.options = _api.channel_options(self.lb_policy, initial_backoff, max_backoff,
                                             channel_options)
+        if keep_large_allocations:
+            _malloc.keep_large_allocations()
 
     def metadata(self, admin=False):
         token = self.admin_token if (admin and self.admin_token) else self.token
@@ -117,17 +119,25 @@ class Client:
                      connections of their own, pipeline_depth (4) unanswered per stream, so
                      transfer and compute overlap; results are bitwise those of one request.
                      0 = off.
+      keep_large_allocations
+                     True (default): on glibc, fix malloc's mmap / trim thresholds once per
+                     process (32 MiB / 256 MiB) so that sending many-MiB requests reuses heap
+                     memory instead of page-faulting fresh memory on every call (the process
+                     keeps up to 256 MiB of freed heap per malloc arena). Skipped when the
+                     process sets its own (GLIBC_TUNABLES, MALLOC_*_) or
+                     LOGITSERVE_KEEP_LARGE_ALLOCATIONS=0. See logitserve/_malloc.py.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4, pipeline_streams=2):
+                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
-                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams)
+                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams,
+                            keep_large_allocations)
         if self._s.tls is not None:
             self._channel = grpc.secure_channel(self._s.target, self._s.tls.credentials(),
                                                 options=self._s.options)
