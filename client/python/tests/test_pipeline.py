@@ -146,3 +146,36 @@ def test_close_stops_the_sender_threads(server):
     assert len(senders()) > before
     c.close()
     assert len(senders()) == before
+
+
+def test_unavailable_retries_the_whole_pipelined_request(heads, monkeypatch):
+    # The server goes away between two pipelined calls and comes back on the first retry: the
+    # second call's chunks (sent from the sender threads) fail UNAVAILABLE, the whole request
+    # is sent again, and the result is bitwise the first call's.
+    from logitserve import _api
+    from support import Server, free_port
+    port = free_port()
+    # A short drain: the default 10 s one ran to its deadline here (the client stays connected).
+    server = Server(heads.flags() + ["--drain-timeout", "0.5"], port=port).start()
+    waits = []
+    try:
+        with logitserve.Client("127.0.0.1:%d" % port, max_retries=10, initial_backoff=0.05,
+                               max_backoff=0.2, pipeline_chunk_bytes=10 * ROW_BYTES) as c:
+            req = _request(60, seed=7)
+            want = c.score(**req)
+            assert want.chunks == 6
+            server.stop()
+            step = _api.Backoff.step
+
+            def recording_step(self):
+                waits.append(step(self))
+                if len(waits) == 1:
+                    server.start()
+                return waits[-1]
+
+            monkeypatch.setattr(_api.Backoff, "step", recording_step)
+            got = c.score(**req)
+        assert len(waits) >= 1 and got.chunks == 6
+        _same(want, got)
+    finally:
+        server.stop()
