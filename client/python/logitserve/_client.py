@@ -157,6 +157,8 @@ class Client:
                      chunks of about that size, unary Score calls spread over pipeline_streams
                      (2) connections, pipeline_depth (4) unanswered per connection, so transfer
                      and compute overlap; results are bitwise those of one request. 0 = off.
+                     The chunks are encoded and sent by max(2, pipeline_streams) sender threads
+                     of the client (started by the first pipelined call, stopped by close()).
       keep_large_allocations
                      True (default): on glibc, fix malloc's mmap / trim thresholds once per
                      process (32 MiB / 256 MiB) so that sending many-MiB requests reuses heap
