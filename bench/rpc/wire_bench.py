@@ -12,7 +12,8 @@ states, int32 target ids [N], entropy).
             <= 1.15 meets target 2
   unpiped   one unsplit score() (pipelining off)
   cli_*     this process's CPU ms per single pipelined / unsplit call (time.process_time: all
-            threads, grpcio's included): with the GIL, what bounds the e2e rate of one process
+            threads, grpcio's included): with the GIL, what bounds the e2e rate of one process;
+            cli/MiB the pipelined one per MiB of request
   shm       one score() reading the same values from a SharedMemoryRegion; shm / compute <= 1.1
             meets target 3
 Pipelined and shared-memory results must equal the unsplit one bit for bit (`wrong` otherwise).
@@ -67,14 +68,19 @@ def main():
     heads = unpiped.list_heads()
     head = heads[args.head]
     V, H = head.vocab_size, head.hidden_size
+    try:
+        from logitserve._malloc import state as malloc_state
+    except ImportError:  # a package from before the policy (A/B runs against an older client)
+        malloc_state = lambda: "n/a"  # noqa: E731
     print("backend %s, head %s (V = %d, H = %d), Python client, pipelining %d-byte chunks x %d "
-          "in flight x %d streams; %d iterations (medians), rates over >= %.1f s" % (
+          "in flight x %d streams; %d iterations (medians), rates over >= %.1f s; large "
+          "allocations kept: %s" % (
               heads.backend, args.head, V, H, args.pipeline_chunk_bytes, args.pipeline_depth,
-              args.pipeline_streams, args.iters, args.rate_seconds))
-    print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s %9s %11s" % (
+              args.pipeline_streams, args.iters, args.rate_seconds, malloc_state()))
+    print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s %9s %11s %7s" % (
         "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
         "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong", "cli_piped",
-        "cli_unpiped"))
+        "cli_unpiped", "cli/MiB"))
     results = []
     total_wrong = 0
     for n in [int(x) for x in args.rows.split(",")]:
@@ -156,10 +162,11 @@ def main():
         sgl = s_ms / max(c_ms, x_ms) if x_ms else None
         fmt = lambda v, f: (f % v) if v is not None else "-"  # noqa: E731
         print("%6d %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11s %7s %8s %7s %6d %9.1f "
-              "%11.1f" % (
+              "%11.1f %7.3f" % (
                   n, mib, c_ms, rate, e2e, threads, e2e / rate, s_ms, statistics.median(unp),
                   fmt(x_ms, "%.3f"), fmt(sgl, "%.3f"), fmt(m_ms, "%.3f"),
-                  fmt(m_ms / c_ms if m_ms else None, "%.3f"), wrong, cpu_piped, cpu_unpiped))
+                  fmt(m_ms / c_ms if m_ms else None, "%.3f"), wrong, cpu_piped, cpu_unpiped,
+                  cpu_piped / mib))
         sys.stdout.flush()
         results.append(dict(rows=n, compute_ms=c_ms, compute_tokens_per_s=rate,
                             e2e_tokens_per_s=e2e, e2e_threads=threads, e2e_over_compute=e2e / rate,
@@ -167,13 +174,15 @@ def main():
                             transfer_ms=x_ms, single_over_max_compute_transfer=sgl, shm_ms=m_ms,
                             shm_over_compute=m_ms / c_ms if m_ms else None, wrong=wrong,
                             client_cpu_ms_pipelined=cpu_piped,
-                            client_cpu_ms_unpipelined=cpu_unpiped))
+                            client_cpu_ms_unpipelined=cpu_unpiped,
+                            client_cpu_ms_per_mib_pipelined=cpu_piped / mib))
         total_wrong += wrong
     print("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(client="python", backend=heads.backend, head=args.head, vocab_size=V,
-                           hidden_size=H, iters=args.iters, pid=os.getpid(), results=results),
+                           hidden_size=H, iters=args.iters, pid=os.getpid(),
+                           large_allocations_kept=malloc_state(), results=results),
                       f, indent=2)
     piped.close()
     unpiped.close()

@@ -20,11 +20,12 @@ class AsyncClient:
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4, pipeline_streams=2):
+                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
-                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams)
+                            pipeline_chunk_bytes, pipeline_depth, pipeline_streams,
+                            keep_large_allocations)
         if self._s.tls is not None:
             self._channel = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
                                                     options=self._s.options)

@@ -174,8 +174,16 @@ def _to_int32(v):
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
+def _contiguous(data):
+    """The message as one buffer. grpcio hands deserializers bytes; a grpcio whose zero-copy
+    receive path is on (grpc/grpc#42193, an experiment) hands a memoryview of its slice, or a
+    list of memoryviews when the message spans several slices."""
+    return b"".join(data) if isinstance(data, list) else data
+
+
 def parse_score_response(data):
     """A FastResponse from ScoreResponse wire bytes (falls back to protobuf when unusual)."""
+    data = _contiguous(data)
     try:
         return _parse_fast(data, 0, len(data))
     except (ValueError, IndexError, _Unusual):
@@ -198,6 +206,7 @@ class StreamResponse:
 def parse_stream_response(data):
     """A StreamResponse from ScoreStreamResponse wire bytes (falls back to protobuf when
     unusual)."""
+    data = _contiguous(data)
     try:
         return _parse_stream_fast(data)
     except (ValueError, IndexError, _Unusual):

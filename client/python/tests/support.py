@@ -120,6 +120,16 @@ def finished_rpcs(metrics_address, method, code="OK"):
     return total
 
 
+def in_flight_rpcs(metrics_address):
+    """logitserve_requests_in_flight (RPCs accepted and not yet finished) from the metrics."""
+    import urllib.request
+    text = urllib.request.urlopen("http://%s/metrics" % metrics_address, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("logitserve_requests_in_flight "):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no logitserve_requests_in_flight in the server's metrics")
+
+
 def free_port():
     import socket
     with socket.socket() as s:

@@ -122,3 +122,22 @@ def test_varint_decoding_matches_protobuf():
     assert raw[0] == 0x1A  # field 3, packed
     length, i = _wire._read_varint(raw, 1)
     np.testing.assert_array_equal(_wire.decode_varints(raw[i:i + length]), values)
+
+
+def test_responses_parse_from_memoryviews_and_lists_of_them():
+    # What a grpcio with its zero-copy receive path hands a deserializer: a memoryview of one
+    # slice, or a list of memoryviews of several.
+    want = _response()
+    raw = want.SerializeToString()
+    pieces = [memoryview(raw[:7]), memoryview(raw[7:40]), memoryview(raw[40:])]
+    for data in (memoryview(raw), pieces):
+        got = _wire.parse_score_response(data)
+        assert isinstance(got, _wire.FastResponse)
+        np.testing.assert_array_equal(got.entropy, np.asarray(want.entropy, np.float32))
+        np.testing.assert_array_equal(got.top_k_ids, np.asarray(want.top_k_ids, np.int32))
+        assert got.request_id == "r1" and got.compute_us == want.compute_us
+    wrapped = pb2().ScoreStreamResponse(request_id="s", response=want).SerializeToString()
+    got = _wire.parse_stream_response([memoryview(wrapped[:3]), memoryview(wrapped[3:])])
+    assert got.request_id == "s"
+    np.testing.assert_array_equal(got.response.target_logprobs,
+                                  np.asarray(want.target_logprobs, np.float32))
