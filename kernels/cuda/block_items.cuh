@@ -6,8 +6,8 @@
 // these functions, so a record has the same bits whichever kernel wrote it.
 #pragma once
 
-#include <type_traits>
 #include <cstdlib>
+#include <type_traits>
 
 #include "kernels/cuda/lane_block.cuh"
 
@@ -386,9 +386,14 @@ struct HasStreamed : std::false_type {};
 template <typename Op>
 struct HasStreamed<Op, std::void_t<decltype(Op::kStreams)>> : std::true_type {};
 
-// Experiment switch, LOGITSERVE_STREAMED bits: 1 fp32 pairs, 2 fp32 singles, 4 16-bit pairs,
-// 8 16-bit singles; 16: 6 CTAs an SM instead of 5.
+// Which sources take the streamed kernels: LOGITSERVE_STREAMED (read once), bits 1 fp32 pairs,
+// 2 fp32 singles, 4 same-type 16-bit pairs; default 0 (none). An A/B switch until the streamed
+// kernels are measured on the GPU machine (docs/PERFORMANCE.md, "Streamed statistics"); the
+// records' bits do not depend on it (block_items.cuh, streamed items).
 int StreamedMode();
+// 5 CTAs of 4 warps an SM: <= 102 registers, which ptxas meets without spills for every
+// instantiation (6 spilled for fp32 pairs).
+inline constexpr int kStreamedCtas = 5;
 
 inline bool GridTooLarge(int64_t rows, int64_t blocks) {
   return rows * blocks > static_cast<int64_t>(INT_MAX);
@@ -402,18 +407,14 @@ inline unsigned PairGrid(int64_t pairs) {
 template <FloatType TA, FloatType TB, bool kPair, typename Op>
 cudaError_t LaunchItems(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
                         const Op& op, cudaStream_t stream) {
-  if constexpr (HasStreamed<Op>::value) {
-    const bool f32 = TA == FloatType::kFloat32 && (!kPair || TB == FloatType::kFloat32);
-    const int bit = (f32 ? 1 : 4) * (kPair ? 1 : 2);
-    const int mode = StreamedMode();
-    if (mode & bit) {
-      if (mode & 16) {
-        StreamedKernel<TA, TB, kPair, 6, Op>
-            <<<PairGrid(pairs), kPairThreads, 0, stream>>>(a, b, blocks, pairs, op);
-      } else {
-        StreamedKernel<TA, TB, kPair, 5, Op>
-            <<<PairGrid(pairs), kPairThreads, 0, stream>>>(a, b, blocks, pairs, op);
-      }
+  // Streamed forms for fp32 sources and same-type 16-bit pairs only (each instantiation adds
+  // ~40 KB of code to every binary that links the kernels).
+  constexpr bool kF32 = TA == FloatType::kFloat32 && (!kPair || TB == FloatType::kFloat32);
+  constexpr bool kSame16 = kPair && TA == TB && TA != FloatType::kFloat32;
+  if constexpr (HasStreamed<Op>::value && (kF32 || kSame16)) {
+    if (StreamedMode() & (kF32 ? (kPair ? 1 : 2) : 4)) {
+      StreamedKernel<TA, TB, kPair, kStreamedCtas, Op>
+          <<<PairGrid(pairs), kPairThreads, 0, stream>>>(a, b, blocks, pairs, op);
       return cudaSuccess;
     }
   }

@@ -181,7 +181,7 @@ namespace detail {
 int StreamedMode() {
   static const int mode = [] {
     const char* v = std::getenv("LOGITSERVE_STREAMED");
-    return v == nullptr ? 1 : std::atoi(v);
+    return v == nullptr ? 0 : std::atoi(v);
   }();
   return mode;
 }

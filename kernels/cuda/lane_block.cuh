@@ -266,7 +266,8 @@ __device__ __forceinline__ float Tempered(const DeviceSource& s, float x) {
 
 // Value e of chunk j after the transform.
 template <FloatType T, int kChunks>
-__device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T, kChunks>& b, int j, int e) {
+__device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T, kChunks>& b, int j,
+                                   int e) {
   return Tempered<T>(s, b.Value(j, e));
 }
 
