@@ -111,7 +111,7 @@ void ApplyTransformImpl(const LogitTransform& t, float* z, int64_t n) {
 // against exp in fp64 at 2e6 points of that interval, is within 1.9 ulp (relative 2.6 u), inside
 // the 4 ulp per exp that kSumRelTol (tests/kernels/expect_reference.h) allows; the GPU's
 // ex2.approx has 2 ulp. Results below 2^-125 are flushed to 0: such a term is under 1e-37 of the
-// block maximum's weight 1, far below fp32 resolution of the sum. 12 instructions; the degree-7
+// block maximum's weight 1, far below fp32 resolution of the sum. 13 instructions; the degree-7
 // Taylor form with a round and a convert took 17, and the exp is the CPU kernels' bottleneck.
 HWY_INLINE VF ExpNonPositive(DF d, VF x) {
   const hn::RebindToSigned<DF> di;
