@@ -177,16 +177,6 @@ cudaError_t LaunchJsdPartials(const LogitsSource& s, const LogitsSource& t, int6
   return LaunchOnSources</*kPairOnly=*/true>(s, &t, rows, op, stream);
 }
 
-namespace detail {
-int StreamedMode() {
-  static const int mode = [] {
-    const char* v = std::getenv("LOGITSERVE_STREAMED");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  return mode;
-}
-}  // namespace detail
-
 cudaError_t CheckKernelImage() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(

@@ -73,14 +73,11 @@ __device__ __forceinline__ float WarpMaxNaN(float x) {
 }
 
 // The raw bits of one lane's share of a block: kLaneChunks chunks of 8 values, as 32-bit words
-// (two 16-bit values a word, low half first; or one fp32 a word). kChunks < kLaneChunks holds
-// consecutive chunks of the share only (the streamed kernels of block_items.cuh): chunk j of such
-// a piece starting at column c0 is the chunk j of a whole share starting at c0 - j0 * 256.
-template <FloatType T, int kChunks = kLaneChunks>
+// (two 16-bit values a word, low half first; or one fp32 a word).
+template <FloatType T>
 struct LaneBlock {
   static constexpr int kWords = T == FloatType::kFloat32 ? 8 : 4;
-  static constexpr int kNumChunks = kChunks;
-  uint32_t w[kChunks][kWords];
+  uint32_t w[kLaneChunks][kWords];
 
   // Value e of chunk j, exactly as fp32 (j and e compile-time after unrolling).
   __device__ __forceinline__ float Value(int j, int e) const {
@@ -98,45 +95,32 @@ struct LaneBlock {
 
   // Maximum (NaN-propagating) or minimum (only used when no value is NaN) of the lane's 64 raw
   // values: packed bf16x2 / half2 operations for 16-bit types, one instruction per two values.
-  // As a chain (ChainStart, ChainFrom, ChainEnd) so that the pieces of a share taken one after
-  // another (the streamed kernels) give the whole share's bits.
-  using Packed = std::conditional_t<T == FloatType::kBFloat16, __nv_bfloat162, __half2>;
-  using Chain = std::conditional_t<T == FloatType::kFloat32, float, Packed>;
-  __device__ __forceinline__ Chain ChainStart() const {
-    if constexpr (T == FloatType::kFloat32) {
-      return __uint_as_float(w[0][0]);
-    } else {
-      return Pair<Packed>(0, 0);
-    }
-  }
   template <bool kMax>
-  __device__ __forceinline__ Chain ChainFrom(Chain m) const {
+  __device__ __forceinline__ float RawExtreme() const {
+    if constexpr (T == FloatType::kFloat32) {
+      float m = __uint_as_float(w[0][0]);
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
+      for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
-      for (int k = 0; k < kWords; ++k) {
-        if constexpr (T == FloatType::kFloat32) {
+        for (int k = 0; k < kWords; ++k) {
           const float x = __uint_as_float(w[j][k]);
           m = kMax ? MaxNaN(m, x) : fminf(m, x);
-        } else {
-          m = kMax ? __hmax2_nan(m, Pair<Packed>(j, k)) : __hmin2(m, Pair<Packed>(j, k));
         }
       }
-    }
-    return m;
-  }
-  template <bool kMax>
-  static __device__ __forceinline__ float ChainEnd(Chain m) {
-    if constexpr (T == FloatType::kFloat32) {
       return m;
     } else {
+      using P = std::conditional_t<T == FloatType::kBFloat16, __nv_bfloat162, __half2>;
+      P m = Pair<P>(0, 0);
+#pragma unroll
+      for (int j = 0; j < kLaneChunks; ++j) {
+#pragma unroll
+        for (int k = 0; k < kWords; ++k) {
+          m = kMax ? __hmax2_nan(m, Pair<P>(j, k)) : __hmin2(m, Pair<P>(j, k));
+        }
+      }
       return kMax ? MaxNaN(__low2float(m), __high2float(m))
                   : fminf(__low2float(m), __high2float(m));
     }
-  }
-  template <bool kMax>
-  __device__ __forceinline__ float RawExtreme() const {
-    return ChainEnd<kMax>(ChainFrom<kMax>(ChainStart()));
   }
   __device__ __forceinline__ float RawMax() const { return RawExtreme<true>(); }
   __device__ __forceinline__ float RawMin() const { return RawExtreme<false>(); }
@@ -166,16 +150,15 @@ __device__ __forceinline__ uint32_t RawBits(const DeviceSource& s, int64_t i) {
   }
 }
 
-// Loads lane `lane`'s share of the block (or of the kChunks chunks) starting at column c0 of row
-// `row`. Columns past s.cols read as -inf. Full, aligned pieces use 16-byte loads, all issued
-// before any use.
-template <FloatType T, int kChunks>
+// Loads lane `lane`'s share of the block starting at column c0 of row `row`. Columns past s.cols
+// read as -inf. Full, aligned blocks use 16-byte loads, all issued before any use.
+template <FloatType T>
 __device__ __forceinline__ void LoadLaneBlock(const DeviceSource& s, int64_t row, int64_t c0,
-                                              int lane, LaneBlock<T, kChunks>& b) {
+                                              int lane, LaneBlock<T>& b) {
   const int64_t base = row * s.ld + c0 + lane * 8;
-  if (s.vectorized && c0 + kChunks * 256 <= s.cols) {
+  if (s.vectorized && c0 + kVocabBlock <= s.cols) {
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
+    for (int j = 0; j < kLaneChunks; ++j) {
       if constexpr (T == FloatType::kFloat32) {
         const uint4* p =
             reinterpret_cast<const uint4*>(static_cast<const float*>(s.data) + base + j * 256);
@@ -193,7 +176,7 @@ __device__ __forceinline__ void LoadLaneBlock(const DeviceSource& s, int64_t row
   }
   const int64_t left = s.cols - (c0 + lane * 8);  // valid values from this lane's first id
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
+  for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int64_t off = j * 256 + e;
@@ -226,9 +209,9 @@ static __device__ __noinline__ float TransformTail(const LoadTransform& t, int64
   return x;
 }
 
-template <FloatType T, int kChunks>
+template <FloatType T>
 __device__ __forceinline__ void TransformInPlace(const DeviceSource& s, int64_t c0, int lane,
-                                                 LaneBlock<T, kChunks>& b) {
+                                                 LaneBlock<T>& b) {
   if constexpr (T == FloatType::kFloat32) {
     if (!s.t.head && s.t.temperature == 1.0f) return;
     // TransformOne, operation for operation: the -0 -> +0 fix of a head's GEMM output inline,
@@ -237,7 +220,7 @@ __device__ __forceinline__ void TransformInPlace(const DeviceSource& s, int64_t 
         (s.t.head && (s.t.bias != nullptr || s.t.scale != 1.0f || s.t.softcap > 0.0f)) ||
         s.t.temperature != 1.0f;
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
+    for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const int64_t c = c0 + j * 256 + lane * 8 + e;
@@ -265,21 +248,20 @@ __device__ __forceinline__ float Tempered(const DeviceSource& s, float x) {
 }
 
 // Value e of chunk j after the transform.
-template <FloatType T, int kChunks>
-__device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T, kChunks>& b, int j,
-                                   int e) {
+template <FloatType T>
+__device__ __forceinline__ float Z(const DeviceSource& s, const LaneBlock<T>& b, int j, int e) {
   return Tempered<T>(s, b.Value(j, e));
 }
 
 // The lane's maximum of the transformed values (NaN-propagating).
-template <FloatType T, int kChunks>
-__device__ __forceinline__ float LaneMax(const DeviceSource& s, const LaneBlock<T, kChunks>& b) {
+template <FloatType T>
+__device__ __forceinline__ float LaneMax(const DeviceSource& s, const LaneBlock<T>& b) {
   return Tempered<T>(s, b.RawMax());
 }
 
 // The lane's minimum of the transformed values (NaN-free blocks only).
-template <FloatType T, int kChunks>
-__device__ __forceinline__ float LaneMin(const DeviceSource& s, const LaneBlock<T, kChunks>& b) {
+template <FloatType T>
+__device__ __forceinline__ float LaneMin(const DeviceSource& s, const LaneBlock<T>& b) {
   return Tempered<T>(s, b.RawMin());
 }
 
