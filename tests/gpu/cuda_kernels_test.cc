@@ -242,29 +242,38 @@ TEST_F(CudaKernels, BlockStatsMatchCpu) {
   }
 }
 
-// The same values as fp32, bf16 and fp16 (k/16, |k| <= 255, and -inf) give identical records.
+// The same values as fp32, bf16 and fp16 (k/16, |k| <= 255, and -inf) give identical records,
+// single and pair, with masked tokens (the clamped path) and without (the fast path).
 TEST_F(CudaKernels, SameRecordsForEveryDtype) {
-  std::mt19937_64 rng(7);
-  std::uniform_int_distribution<int> q(-255, 255);
-  std::bernoulli_distribution masked(0.05);
-  std::vector<float> v(kRows * kV), w(kRows * kV);
-  for (float& x : v) x = masked(rng) ? -kInf : q(rng) / 16.0f;
-  for (float& x : w) x = masked(rng) ? -kInf : q(rng) / 16.0f;
-  const int64_t blocks = k::NumBlocks(kV);
-  std::vector<std::vector<k::PairBlockStats>> got;
-  for (k::FloatType t : {k::FloatType::kFloat32, k::FloatType::kBFloat16, k::FloatType::kFloat16}) {
-    DeviceArray<uint8_t> dv(Encode(t, kRows, kV, v).bytes), dw(Encode(t, kRows, kV, w).bytes);
-    DeviceArray<k::PairBlockStats> out(kRows * blocks);
-    const kc::LogitsSource a = SourceOf(dv.get(), t, 0, kV, 0.7f);
-    const kc::LogitsSource b = SourceOf(dw.get(), t, 0, kV, 0.7f);
-    ASSERT_CUDA(kc::LaunchBlockStats(a, &b, kRows, out.get(), blocks, 0, nullptr));
-    ASSERT_CUDA(cudaDeviceSynchronize());
-    got.push_back(out.ToHost());
-  }
-  for (size_t i = 1; i < got.size(); ++i) {
-    EXPECT_EQ(std::memcmp(got[i].data(), got[0].data(), got[0].size() * sizeof(k::PairBlockStats)),
-              0)
-        << "dtype " << i << " gives other record bits than fp32";
+  for (double p_masked : {0.05, 0.0}) {
+    SCOPED_TRACE("masked fraction " + std::to_string(p_masked));
+    std::mt19937_64 rng(7);
+    std::uniform_int_distribution<int> q(-255, 255);
+    std::bernoulli_distribution masked(p_masked);
+    std::vector<float> v(kRows * kV), w(kRows * kV);
+    for (float& x : v) x = masked(rng) ? -kInf : q(rng) / 16.0f;
+    for (float& x : w) x = masked(rng) ? -kInf : q(rng) / 16.0f;
+    const int64_t blocks = k::NumBlocks(kV);
+    std::vector<std::vector<k::PairBlockStats>> got_pair, got_single;
+    for (k::FloatType t :
+         {k::FloatType::kFloat32, k::FloatType::kBFloat16, k::FloatType::kFloat16}) {
+      DeviceArray<uint8_t> dv(Encode(t, kRows, kV, v).bytes), dw(Encode(t, kRows, kV, w).bytes);
+      DeviceArray<k::PairBlockStats> pair(kRows * blocks), single(kRows * blocks);
+      const kc::LogitsSource a = SourceOf(dv.get(), t, 0, kV, 0.7f);
+      const kc::LogitsSource b = SourceOf(dw.get(), t, 0, kV, 0.7f);
+      ASSERT_CUDA(kc::LaunchBlockStats(a, &b, kRows, pair.get(), blocks, 0, nullptr));
+      ASSERT_CUDA(kc::LaunchBlockStats(a, nullptr, kRows, single.get(), blocks, 0, nullptr));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      got_pair.push_back(pair.ToHost());
+      got_single.push_back(single.ToHost());
+    }
+    const size_t bytes = got_pair[0].size() * sizeof(k::PairBlockStats);
+    for (size_t i = 1; i < got_pair.size(); ++i) {
+      EXPECT_EQ(std::memcmp(got_pair[i].data(), got_pair[0].data(), bytes), 0)
+          << "dtype " << i << " gives other pair record bits than fp32";
+      EXPECT_EQ(std::memcmp(got_single[i].data(), got_single[0].data(), bytes), 0)
+          << "dtype " << i << " gives other single record bits than fp32";
+    }
   }
 }
 
