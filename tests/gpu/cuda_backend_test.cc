@@ -408,6 +408,96 @@ TEST(CudaDeterminism, LogitsRowBitsIndependentOfBatchPositionLayoutAndResidence)
   }
 }
 
+// Logits mode's row-tile pipeline (statistics of tile t + 1 beside the tail of tile t, two message
+// slots, output slices copied back per tile): every tile size gives the bits of one tile, with
+// logits read in place and staged from the host, on one and two shards; a single distribution
+// (the fused statistics + lane maxima launch, then the selection on the other stream) and a pair
+// with every output (JSD pass included). Rows with masked tokens and a row with fewer finite
+// tokens than k send rows to the top-k fallback in some tiles. And the bad-row marker names the
+// first bad row of the job when bad rows lie in several tiles.
+TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
+  constexpr int64_t kRows = 70, kVocab = 5000;  // two shards: [0, 2048) and [2048, 5000)
+  constexpr int32_t kTopK = 16;
+  std::mt19937_64 rng(59);
+  std::vector<float> m = RandomNormal(rng, kRows * kVocab, kLogitStd);
+  std::vector<float> r = RandomNormal(rng, kRows * kVocab, kLogitStd);
+  for (int64_t row = 0; row < kRows; row += 5) MaskRandomTokens(rng, m, kVocab, row, 0.3);
+  for (int64_t c = 10; c < kVocab; ++c) m[41 * kVocab + c] = -kInf;  // 10 finite tokens < k
+  const SharedMatrix hm = Share(Encode(FloatType::kBFloat16, kRows, kVocab, m));
+  const SharedMatrix hr = Share(Encode(FloatType::kBFloat16, kRows, kVocab, r));
+  const std::vector<int32_t> ids = RandomTargets(rng, kRows, 2, kVocab, -100, 0.2);
+  OwnedJob single, pair;
+  single.SetModelLogits(hm, 0.9f).WithTargets(ids, 2).WithTopK(kTopK).WithEntropy();
+  pair.SetModelLogits(hm, 0.9f).SetReferenceLogits(hr).WithEverything(ids, 2, kTopK, 0.3f);
+
+  const size_t bytes = static_cast<size_t>(kRows * kVocab) * 2;
+  void* dm = nullptr;
+  void* dr = nullptr;
+  ASSERT_EQ(cudaMalloc(&dm, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dr, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dm, hm->bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dr, hr->bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  auto on_device = [&](const OwnedJob& j) {
+    OwnedJob d = j;
+    d.job.model.logits.data = dm;
+    if (d.job.NeedsReference()) d.job.reference.logits.data = dr;
+    return d;
+  };
+  const OwnedJob jobs[] = {single, pair, on_device(single), on_device(pair)};
+  const char* names[] = {"single, host", "pair, host", "single, device", "pair, device"};
+
+  std::vector<ScoreResult> baseline;  // one tile, one shard
+  for (int shards : {1, 2}) {
+    for (int64_t tile_rows : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{16}}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
+      CudaBackendOptions o;
+      o.devices = {0};
+      o.shards = shards;
+      o.logits_tile_rows = tile_rows;
+      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+      ASSERT_TRUE(b.ok()) << b.status();
+      for (size_t i = 0; i < std::size(jobs); ++i) {
+        SCOPED_TRACE(names[i]);
+        LOGITSERVE_ASSERT_SCORE(got, **b, jobs[i].job);
+        if (baseline.size() < std::size(jobs)) {
+          ExpectMatchesReference(jobs[i].job, got);
+          baseline.push_back(got);
+        } else {
+          ExpectBitwiseEqual(got, baseline[i]);
+        }
+      }
+    }
+  }
+
+  // NaN in rows 50 and 20, +inf in the reference's row 33: tiles of 16 put them in tiles 3, 1
+  // and 2, and tiles of 1 each in its own; the error names the first bad row either way.
+  std::vector<float> bad_m = m, bad_r = r;
+  bad_m[50 * kVocab + 7] = std::numeric_limits<float>::quiet_NaN();
+  bad_m[20 * kVocab + 4999] = std::numeric_limits<float>::quiet_NaN();
+  bad_r[33 * kVocab + 2500] = kInf;
+  OwnedJob bad;
+  bad.SetModelLogits(Share(Encode(FloatType::kBFloat16, kRows, kVocab, bad_m)))
+      .SetReferenceLogits(Share(Encode(FloatType::kBFloat16, kRows, kVocab, bad_r)))
+      .WithEverything(ids, 2, kTopK, 0.3f);
+  std::unique_ptr<Backend> cpu = Cpu();
+  const absl::StatusOr<ScoreResult> want = RunJob(*cpu, bad.job);
+  ASSERT_FALSE(want.ok());
+  for (int64_t tile_rows : {int64_t{1}, int64_t{16}}) {
+    CudaBackendOptions o;
+    o.devices = {0};
+    o.logits_tile_rows = tile_rows;
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const absl::StatusOr<ScoreResult> got = RunJob(**b, bad.job);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status(), want.status());
+    EXPECT_NE(std::string(got.status().message()).find("row 20"), std::string::npos)
+        << got.status();
+  }
+  cudaFree(dm);
+  cudaFree(dr);
+}
+
 // Hidden mode: a row alone vs in batches of 1100 at positions 511 and 600 (other 512-row tiles,
 // other offsets in them), hidden states as fp32 / bf16 / fp16 with equal values (k/16), heads in
 // bf16 and fp32, on every layout.

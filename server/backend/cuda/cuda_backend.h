@@ -63,6 +63,13 @@ struct CudaBackendOptions {
   // Device memory a rank may use for staging host logits per row tile (logits mode); the tile's
   // row count follows from it and never changes a result.
   size_t logits_staging_bytes = size_t{1} << 30;
+  // Logits mode: rows per row tile (0 = the most, kMaxLogitsTileRows; the staging and JSD caps
+  // below may lower it). The tiles run as a pipeline: the statistics of tile t + 1 read the
+  // logits while tile t's latency-bound tail (top-k selection, all-gather, fold, JSD pass,
+  // output copy-back) runs on a second stream, so only the last tile's tail is exposed. Tile size
+  // never changes a result (rows are independent); smaller tiles expose a shorter tail but cost
+  // launches (host time per tile) and, across GPUs, more all-gathers.
+  int64_t logits_tile_rows = 1024;
   // Logits mode with a JSD pass (0 < beta < 1): the row tile holds at most this many bytes of
   // both distributions, so the second pass re-reads it from L2 (H200: 50 MB). 0 = no cap. Tile
   // size never changes a result; smaller tiles cost more launches and, across GPUs, more
