@@ -577,13 +577,28 @@ absl::Status RankWorker::EndTile(int64_t tile) {
   if (tile == 0) {
     LOGITSERVE_RETURN_IF_ERROR(InjectFault());
   }
-  if (pipelined()) {  // the statistics of tile + 2 may overwrite this tile's slot
+  const bool last = tile + 1 == num_tiles_;
+  if (pipelined() && !last) {  // the statistics of tile + 2 (staging: tile + 1) wait for it
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaEventRecord(rank_.message_free[static_cast<size_t>(slot_)].get(), stream()));
   }
-  if (tile + 1 == num_tiles_) {
-    // The last tile's event then covers all of the job's work on every stream.
-    LOGITSERVE_RETURN_IF_ERROR(JoinSideStreams(rank_, /*with_copies=*/false));
+  if (last) {
+    // The last tile's event must cover all of the job's work. Logits mode's statistics streams
+    // are joined already (each one's last work is a tile's statistics, which that tile's tail
+    // waited for), and so are the set-up copies on gemm_stream (IssueUploads); hidden mode's
+    // GEMMs are joined here. The earlier tiles' output copies are joined too: the last tile's
+    // copies, on `stream`, must follow them (CopyTileOutputs: a merged copy may span its rows).
+    auto join = [&](const CudaStream& side, const CudaEvent& e) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(e.get(), side.get()));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), e.get(), 0));
+      return absl::OkStatus();
+    };
+    if (!pipelined()) {
+      LOGITSERVE_RETURN_IF_ERROR(join(rank_.gemm_stream, rank_.gemm_idle));
+    }
+    if (reports_ && num_tiles_ > 1) {
+      LOGITSERVE_RETURN_IF_ERROR(join(rank_.copy_stream, rank_.side_idle[2]));
+    }
   }
   if (reports_) return CopyTileOutputs(tile);
   return CudaStatus(

@@ -97,6 +97,10 @@ absl::Status RankWorker::CopyTileOutputs(int64_t tile) {
   }
   // Ranges less than kMergeGap apart go in one copy: a copy costs a few us of latency, a 64 KB
   // gap about 1.3 us of PCIe time (the last tile of a logprobs job: markers and slice in one).
+  // The gap's bytes are other tiles' rows: earlier ones final (rewritten with the same values),
+  // later ones not yet, and rewritten by their own tile's copy, which runs after this one (one
+  // copy stream; the last tile's copies wait for it, EndTile). The host reads a tile's rows only
+  // after that tile's event.
   constexpr size_t kMergeGap = size_t{64} << 10;
   uint8_t* io = rank_.host_io.data() + io_outputs_at_;
   for (size_t i = 0; i < ranges.size();) {
