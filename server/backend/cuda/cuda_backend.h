@@ -12,7 +12,13 @@
 //   every rank folds them in global block order (identical bits on every rank); rank 0 writes
 //     the outputs;
 //   JSD only: a second pass over the tile with the global normalisation; partials all-gathered and
-//     summed in global block order.
+//     summed in global block order;
+//   rank 0 copies the tile's slice of every output back to pinned host memory.
+//
+// Logits mode runs the row tiles as a pipeline (rank_worker.h): the statistics of tile t + 1 (on a
+// low-priority stream) read the logits while tile t's latency-bound tail (top-k selection,
+// all-gather, fold, JSD pass, output copy) runs beside them, events only between them, so only
+// the last tile's tail adds to the job's time. Hidden mode pipelines its GEMMs instead (above).
 //
 // Nothing of size [N, V] is ever allocated. Results are bitwise independent of the batch, of the
 // row's position, of the number of devices and of the input dtype carrying the same values (see
@@ -28,11 +34,12 @@
 // Stops and failures: before every row tile each rank calls job.stop (ScoreJob::CheckStop); a
 // stop, like a failure, is agreed by every rank at the same checkpoint (JobFailure), so all end at
 // the same tile and Score returns the stop's own status (CANCELLED, DEADLINE_EXCEEDED). A rank
-// keeps at most two tiles queued ahead of its host thread (one with pageable inputs), so a stop
-// takes effect within a tile or two. A fatal device error - a sticky CUDA error, any NCCL error,
-// or a stream / NCCL call without progress for CudaBackendOptions::collective_timeout (the
-// watchdog; every wait on the GPU polls with that deadline instead of blocking) - fails the job,
-// aborts every NCCL communicator and takes the backend out of service: Health(), Score and
+// keeps at most two tiles queued ahead of its host thread in hidden mode (one with pageable
+// inputs) and at most 8192 rows' worth of tiles in logits mode (about one read of a large job),
+// so a stop takes effect within that much work. A fatal device error - a sticky CUDA error, any
+// NCCL error, or a stream / NCCL call without progress for CudaBackendOptions::collective_timeout
+// (the watchdog; every wait on the GPU polls with that deadline instead of blocking) - fails the
+// job, aborts every NCCL communicator and takes the backend out of service: Health(), Score and
 // PrepareHead return that INTERNAL error from then on.
 //
 // Thread safety: PrepareHead and Score may be called from any thread. Score calls are serialised
