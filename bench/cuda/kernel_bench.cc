@@ -282,7 +282,8 @@ int main(int argc, char** argv) {
       }
       backends.emplace_back(options.logits_tile_rows, std::move(*made));
     }
-    std::printf("logits_tile_rows of the main table: %ld\n", static_cast<long>(backends[0].first));
+    std::printf("logits_tile_rows of the main table: %ld (0 = by job)\n",
+                static_cast<long>(backends[0].first));
     std::vector<int32_t> ids(static_cast<size_t>(rows));
     for (int64_t i = 0; i < rows; ++i)
       ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);

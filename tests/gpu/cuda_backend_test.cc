@@ -500,6 +500,64 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   cudaFree(dr);
 }
 
+// Outputs of a megabyte or more come back on host threads that start with the job and copy each
+// tile as it arrives (rank_worker.h, StartCopiers): the same bits for every tile size and layout,
+// and a job stopped mid-way (its copiers stopped with it) leaves the backend serving the next one.
+TEST(CudaDeterminism, LargeOutputsCopiedAsTilesArrive) {
+  constexpr int64_t kRows = 2100, kVocab = 5000;  // 2100 x 64 x 8 B = 1.08 MB of top-k output
+  constexpr int32_t kTopK = 64;
+  std::mt19937_64 rng(61);
+  std::vector<float> m = RandomNormal(rng, kRows * kVocab, kLogitStd);
+  for (int64_t row = 0; row < kRows; row += 97) MaskRandomTokens(rng, m, kVocab, row, 0.5);
+  const SharedMatrix hm = Share(Encode(FloatType::kBFloat16, kRows, kVocab, m));
+  OwnedJob job;
+  job.SetModelLogits(hm).WithTargets(RandomTargets(rng, kRows, 1, kVocab, -100, 0.1), 1);
+  job.WithTopK(kTopK).WithEntropy();
+  const size_t bytes = static_cast<size_t>(kRows * kVocab) * 2;
+  void* dm = nullptr;
+  ASSERT_EQ(cudaMalloc(&dm, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dm, hm->bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  OwnedJob resident = job;
+  resident.job.model.logits.data = dm;
+
+  std::unique_ptr<ScoreResult> baseline;
+  for (int shards : {1, 2}) {
+    for (int64_t tile_rows : {int64_t{8192}, int64_t{0}, int64_t{7}, int64_t{300}}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
+      CudaBackendOptions o;
+      o.devices = {0};
+      o.shards = shards;
+      o.logits_tile_rows = tile_rows;
+      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+      ASSERT_TRUE(b.ok()) << b.status();
+      LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
+      LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
+      if (baseline == nullptr) {
+        ExpectMatchesReference(job.job, host);
+        baseline = std::make_unique<ScoreResult>(host);
+      }
+      ExpectBitwiseEqual(host, *baseline);
+      ExpectBitwiseEqual(dev, *baseline);
+      // Stopped at the third stop check (one per tile per rank): every size but the one tile.
+      std::atomic<int> calls{0};
+      OwnedJob stopped = resident;
+      stopped.job.stop = [&calls](int64_t) {
+        return ++calls > 2 ? absl::CancelledError("stop") : absl::OkStatus();
+      };
+      const absl::StatusOr<ScoreResult> cut = RunJob(**b, stopped.job);
+      if (tile_rows == 8192) {
+        EXPECT_TRUE(cut.ok()) << cut.status();
+      } else {
+        ASSERT_FALSE(cut.ok());
+        EXPECT_EQ(cut.status().code(), absl::StatusCode::kCancelled) << cut.status();
+      }
+      LOGITSERVE_ASSERT_SCORE(again, **b, resident.job);
+      ExpectBitwiseEqual(again, *baseline);
+    }
+  }
+  cudaFree(dm);
+}
+
 // Hidden mode: a row alone vs in batches of 1100 at positions 511 and 600 (other 512-row tiles,
 // other offsets in them), hidden states as fp32 / bf16 / fp16 with equal values (k/16), heads in
 // bf16 and fp32, on every layout.

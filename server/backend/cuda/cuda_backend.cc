@@ -58,6 +58,7 @@ using cuda_internal::JoinSideStreams;
 using cuda_internal::kMaxLogitsTileRows;
 using cuda_internal::kNoBadRow;
 using cuda_internal::kTileEvents;
+using cuda_internal::kTopKTileRows;
 using cuda_internal::LtHandle;
 using cuda_internal::ParseTestFault;
 using cuda_internal::Rank;
@@ -274,7 +275,9 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   } else {
     // Any tile size gives the same bits in logits mode (rows are independent); this one bounds
     // the staging memory and the per-tile message.
-    int64_t rows = options_.logits_tile_rows > 0 ? options_.logits_tile_rows : kMaxLogitsTileRows;
+    int64_t rows = options_.logits_tile_rows > 0
+                       ? options_.logits_tile_rows
+                       : (job.top_k > 0 ? kTopKTileRows : kMaxLogitsTileRows);
     if (staging_per_row > 0) {
       rows = std::min<int64_t>(
           rows, static_cast<int64_t>(options_.logits_staging_bytes) / staging_per_row);

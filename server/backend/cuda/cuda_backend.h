@@ -15,10 +15,11 @@
 //     summed in global block order;
 //   rank 0 copies the tile's slice of every output back to pinned host memory.
 //
-// Logits mode runs the row tiles as a pipeline (rank_worker.h): the statistics of tile t + 1 (on a
-// low-priority stream) read the logits while tile t's latency-bound tail (top-k selection,
+// Logits mode runs its row tiles as a pipeline (rank_worker.h): the statistics of tile t + 1 (on
+// a low-priority stream) read the logits while tile t's latency-bound tail (top-k selection,
 // all-gather, fold, JSD pass, output copy) runs beside them, events only between them, so only
-// the last tile's tail adds to the job's time. Hidden mode pipelines its GEMMs instead (above).
+// the last tile's tail adds to the job's time (how many tiles: logits_tile_rows below). Hidden
+// mode pipelines its GEMMs instead (above).
 //
 // Nothing of size [N, V] is ever allocated. Results are bitwise independent of the batch, of the
 // row's position, of the number of devices and of the input dtype carrying the same values (see
@@ -70,13 +71,16 @@ struct CudaBackendOptions {
   // Device memory a rank may use for staging host logits per row tile (logits mode); the tile's
   // row count follows from it and never changes a result.
   size_t logits_staging_bytes = size_t{1} << 30;
-  // Logits mode: rows per row tile (0 = the most, kMaxLogitsTileRows; the staging and JSD caps
-  // below may lower it). The tiles run as a pipeline: the statistics of tile t + 1 read the
-  // logits while tile t's latency-bound tail (top-k selection, all-gather, fold, JSD pass,
-  // output copy-back) runs on a second stream, so only the last tile's tail is exposed. Tile size
-  // never changes a result (rows are independent); smaller tiles expose a shorter tail but cost
-  // launches (host time per tile) and, across GPUs, more all-gathers.
-  int64_t logits_tile_rows = 1024;
+  // Logits mode: rows per row tile; 0 = by job (JobPlan::kTopKTileRows with top-k, else one tile
+  // of up to kMaxLogitsTileRows). The staging and JSD caps below may lower it. The tiles run as a
+  // pipeline: the statistics of tile t + 1 read the logits while tile t's latency-bound tail
+  // (top-k selection, all-gather, fold, JSD pass, output copy-back) runs on a second stream, so
+  // only the last tile's tail is exposed. Tile size never changes a result (rows are
+  // independent). Each tile costs ~17 us of host time and a few us of GPU time (H200, measured
+  // by logitserve-kernel-bench --logits-tile-rows): it pays off when the tail is long (top-k: the
+  // selection and megabytes of output copy-back), not for logprobs / entropy / KL / JSD, whose
+  // tails (gather, fold, small copies) are mostly fixed latency.
+  int64_t logits_tile_rows = 0;
   // Logits mode with a JSD pass (0 < beta < 1): the row tile holds at most this many bytes of
   // both distributions, so the second pass re-reads it from L2 (H200: 50 MB). 0 = no cap. Tile
   // size never changes a result; smaller tiles cost more launches and, across GPUs, more

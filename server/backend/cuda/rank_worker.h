@@ -23,13 +23,17 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cuda_kernels.h"
@@ -65,6 +69,21 @@ inline bool IsPageable(const void* p) {
     return true;
   }
   return attr.type == cudaMemoryTypeUnregistered;
+}
+
+// Spins (yielding) until done() or `stop`; after 2 ms, naps 50 us between checks (as PollUntil).
+// Returns done().
+inline bool SpinUntil(absl::FunctionRef<bool()> done, const std::atomic<bool>& stop) {
+  const absl::Time start = absl::Now();
+  while (!done()) {
+    if (stop.load(std::memory_order_acquire)) return false;
+    if (absl::Now() - start < absl::Milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      absl::SleepFor(absl::Microseconds(50));
+    }
+  }
+  return true;
 }
 
 // A copy of `bytes` bytes from src to dst (host memory).
@@ -106,6 +125,8 @@ class RankWorker final : public ShardedRank {
   // then, when `copy` (the job succeeded), rank 0 copies the outputs not yet copied into the
   // result and the bad-row markers into first_bad. Every rank checks NCCL.
   absl::Status Finish(bool copy, int32_t* first_bad);
+  // Joins the copier threads if Finish did not (it always runs after Prepare).
+  ~RankWorker() override;
 
  private:
   struct Dist {
@@ -143,6 +164,14 @@ class RankWorker final : public ShardedRank {
   int64_t TileRows(int64_t tile) const {
     return std::min(plan_.tile_rows, job_.rows - tile * plan_.tile_rows);
   }
+  // Reporting rank, large outputs: host threads that copy each tile's outputs into the result as
+  // soon as the tile's copy-back arrives, while this thread still queues later tiles (Run starts
+  // them). Thread 0 alone polls the tiles' events (one thread in the driver beside the queueing
+  // one) and publishes progress in arrived_; every thread copies its share of each tile.
+  void StartCopiers();
+  void CopierLoop(size_t i, size_t n);
+  // Stops and joins them; returns the first failure of their waits.
+  absl::Status JoinCopiers(bool stop);
   // Tiles the host may queue ahead of the GPU (WaitTile).
   int64_t Depth() const;
   bool pipelined() const { return !plan_.any_hidden; }
@@ -198,7 +227,14 @@ class RankWorker final : public ShardedRank {
   const int64_t num_tiles_;
   ScoreResult* const result_;
   int64_t copied_ = 0;  // reporting rank: tiles [0, copied_) are in result_
-  int slot_ = 0;        // the current tile's message slot (logits mode: tile % 2; hidden mode: 0)
+  // The copier threads (StartCopiers): tiles whose copy-back is queued (EndTile), tiles whose
+  // copy-back has arrived (thread 0), a request to stop, and each thread's status.
+  std::vector<std::thread> copiers_;
+  std::atomic<int64_t> recorded_{0};
+  std::atomic<int64_t> arrived_{0};
+  std::atomic<bool> stop_copies_{false};
+  std::vector<absl::Status> copier_status_;
+  int slot_ = 0;  // the current tile's message slot (logits mode: tile % 2; hidden mode: 0)
 
   Dist model_, ref_;
   std::array<uint8_t*, 2> send_{};  // this rank's message, per slot

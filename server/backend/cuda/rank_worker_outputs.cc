@@ -3,6 +3,7 @@
 // result on the host (WaitTile for early tiles, Finish for the rest, on several threads when
 // large). A second file of rank_worker.cc's class, which would otherwise pass 700 lines.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -47,16 +48,70 @@ class SplitCopy {
   size_t share_ = 0;
 };
 
-// Host threads for `bytes` of output copies: one per MB, at most half the cores and
+// Host threads for `bytes` of output copies: one per 512 KB, at most half the cores and
 // kOutputThreads.
 size_t CopyThreads(size_t bytes) {
-  constexpr size_t kPerThread = size_t{1} << 20;
+  constexpr size_t kPerThread = size_t{512} << 10;
   const size_t most =
       std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kOutputThreads);
   return std::clamp<size_t>((bytes + kPerThread - 1) / kPerThread, 1, most);
 }
 
+// Outputs from this size on are copied by threads that start with the job (StartCopiers); the
+// copies of smaller ones cost less than starting a thread.
+constexpr size_t kEarlyCopyBytes = size_t{1} << 20;
+
 }  // namespace
+
+RankWorker::~RankWorker() { (void)JoinCopiers(/*stop=*/true); }
+
+void RankWorker::StartCopiers() {
+  size_t total = 0;
+  for (size_t b : out_bytes_) total += b;
+  if (!reports_ || total < kEarlyCopyBytes) return;
+  const size_t n = CopyThreads(total);
+  copier_status_.assign(n, absl::OkStatus());
+  for (size_t i = 0; i < n; ++i) copiers_.emplace_back([this, i, n] { CopierLoop(i, n); });
+}
+
+void RankWorker::CopierLoop(size_t i, size_t n) {
+  if (i == 0) {
+    // Events are queried on the rank's device.
+    if (cudaError_t e = cudaSetDevice(rank_.device); e != cudaSuccess) {
+      copier_status_[0] = CudaStatus(e, "cudaSetDevice", __FILE__, __LINE__);
+      stop_copies_.store(true, std::memory_order_release);
+      return;
+    }
+  }
+  for (int64_t t = 0; t < num_tiles_; ++t) {
+    if (i == 0) {
+      // The tile's event is recorded for this job only once EndTile has queued its copy-back.
+      if (!SpinUntil([&] { return recorded_.load(std::memory_order_acquire) > t; }, stop_copies_)) {
+        return;
+      }
+      absl::Status s =
+          WaitFor(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), "output copy");
+      if (!s.ok()) {
+        copier_status_[0] = std::move(s);
+        stop_copies_.store(true, std::memory_order_release);
+        return;
+      }
+      arrived_.store(t + 1, std::memory_order_release);
+    } else if (!SpinUntil([&] { return arrived_.load(std::memory_order_acquire) > t; },
+                          stop_copies_)) {
+      return;
+    }
+    SplitCopy(TileHostCopies(t), n).Run(i);
+  }
+}
+
+absl::Status RankWorker::JoinCopiers(bool stop) {
+  if (stop) stop_copies_.store(true, std::memory_order_release);
+  for (std::thread& t : copiers_) t.join();
+  copiers_.clear();
+  for (const absl::Status& s : copier_status_) LOGITSERVE_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
 
 std::vector<HostCopy> RankWorker::TileHostCopies(int64_t tile) const {
   std::vector<HostCopy> copies;
@@ -123,7 +178,16 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
   // before Score returns. On the reporting rank after a successful job, the last tile's event
   // covers all of it (EndTile); every other rank waits here.
   if (!(copy && reports_)) {
-    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
+    stop_copies_.store(true, std::memory_order_release);
+    const absl::Status idle = WaitIdle("job end");
+    const absl::Status copiers = JoinCopiers(/*stop=*/true);
+    LOGITSERVE_RETURN_IF_ERROR(idle);
+    LOGITSERVE_RETURN_IF_ERROR(copiers);
+  } else if (!copiers_.empty()) {
+    // The copier threads have every tile (the last one's event covers the whole job).
+    LOGITSERVE_RETURN_IF_ERROR(JoinCopiers(/*stop=*/false));
+    copied_ = num_tiles_;
+    std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
   } else {
     // The tiles WaitTile has not copied: each tile's slices split over the threads, every thread
     // going through the tiles in order and waiting for each one's event only, so the host copies
