@@ -50,6 +50,7 @@ namespace {
 namespace k = kernels;
 namespace kc = kernels::cuda;
 using cuda_internal::CeilDiv;
+using cuda_internal::CopyPool;
 using cuda_internal::CudaHead;
 using cuda_internal::DeviceOf;
 using cuda_internal::IsPageable;
@@ -537,6 +538,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
+    if (r == 0) {  // the reporting rank
+      rank->copy_pool = std::make_unique<CopyPool>(cuda_internal::MaxCopyThreads());
+    }
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());
     ranks.push_back(std::move(rank));

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "server/backend/communicator.h"
+#include "server/backend/cuda/copy_pool.h"
 #include "server/backend/cuda/cuda_status.h"
 #include "server/backend/cuda/device_resources.h"
 #include "server/backend/cuda/nccl_communicator.h"
@@ -100,7 +101,8 @@ struct Rank {
   // Tile t's work is done (and, on the reporting rank, its outputs are in host_io):
   // tile_done[t % kTileEvents], recorded on copy_stream (reporting rank) or stream.
   std::array<CudaEvent, kTileEvents> tile_done;
-  CudaEvent idle;  // "everything queued so far is done"
+  std::unique_ptr<CopyPool> copy_pool;  // the reporting rank's output copy threads
+  CudaEvent idle;                       // "everything queued so far is done"
   ~Rank() {
     comm.reset();  // before the stream it uses
     DeviceGuard guard(device);

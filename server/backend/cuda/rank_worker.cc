@@ -553,7 +553,7 @@ absl::Status RankWorker::WaitTile(int64_t tile) {
       WaitFor(rank_.tile_done[static_cast<size_t>(done % kTileEvents)].get(), "row tile"));
   // Its outputs are in host_io (CopyTileOutputs): into the result now, on this thread, so that
   // Finish has only the last `depth` tiles left. (A job that fails after this discards them.)
-  if (!copiers_.empty()) {
+  if (copiers_) {
     // The copier threads copy it; this thread only keeps the event ring from lapping their
     // poller (EndTile(tile) re-records the event of tile - kTileEvents <= done).
     (void)SpinUntil([&] { return arrived_.load(std::memory_order_acquire) > done; }, stop_copies_);

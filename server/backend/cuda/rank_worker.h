@@ -86,6 +86,11 @@ inline bool SpinUntil(absl::FunctionRef<bool()> done, const std::atomic<bool>& s
   return true;
 }
 
+// Host threads of the output copy-back at most: half the cores, at most kOutputThreads.
+inline size_t MaxCopyThreads() {
+  return std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kOutputThreads);
+}
+
 // A copy of `bytes` bytes from src to dst (host memory).
 struct HostCopy {
   void* dst;
@@ -164,10 +169,11 @@ class RankWorker final : public ShardedRank {
   int64_t TileRows(int64_t tile) const {
     return std::min(plan_.tile_rows, job_.rows - tile * plan_.tile_rows);
   }
-  // Reporting rank, large outputs: host threads that copy each tile's outputs into the result as
-  // soon as the tile's copy-back arrives, while this thread still queues later tiles (Run starts
-  // them). Thread 0 alone polls the tiles' events (one thread in the driver beside the queueing
-  // one) and publishes progress in arrived_; every thread copies its share of each tile.
+  // Reporting rank, large outputs: host threads (the rank's CopyPool) that copy each tile's
+  // outputs into the result as soon as the tile's copy-back arrives, while this thread still
+  // queues later tiles (Run starts them). Thread 0 alone polls the tiles' events (one thread in the
+  // driver beside the queueing one) and publishes progress in arrived_; every thread copies its
+  // share of each tile.
   void StartCopiers();
   void CopierLoop(size_t i, size_t n);
   // Stops and joins them; returns the first failure of their waits.
@@ -229,7 +235,7 @@ class RankWorker final : public ShardedRank {
   int64_t copied_ = 0;  // reporting rank: tiles [0, copied_) are in result_
   // The copier threads (StartCopiers): tiles whose copy-back is queued (EndTile), tiles whose
   // copy-back has arrived (thread 0), a request to stop, and each thread's status.
-  std::vector<std::thread> copiers_;
+  bool copiers_ = false;  // running on rank_.copy_pool
   std::atomic<int64_t> recorded_{0};
   std::atomic<int64_t> arrived_{0};
   std::atomic<bool> stop_copies_{false};

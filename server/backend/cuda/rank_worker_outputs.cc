@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -52,9 +51,7 @@ class SplitCopy {
 // kOutputThreads.
 size_t CopyThreads(size_t bytes) {
   constexpr size_t kPerThread = size_t{512} << 10;
-  const size_t most =
-      std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kOutputThreads);
-  return std::clamp<size_t>((bytes + kPerThread - 1) / kPerThread, 1, most);
+  return std::clamp<size_t>((bytes + kPerThread - 1) / kPerThread, 1, MaxCopyThreads());
 }
 
 // Outputs from this size on are copied by threads that start with the job (StartCopiers); the
@@ -68,10 +65,11 @@ RankWorker::~RankWorker() { (void)JoinCopiers(/*stop=*/true); }
 void RankWorker::StartCopiers() {
   size_t total = 0;
   for (size_t b : out_bytes_) total += b;
-  if (!reports_ || total < kEarlyCopyBytes) return;
-  const size_t n = CopyThreads(total);
+  if (!reports_ || total < kEarlyCopyBytes || rank_.copy_pool == nullptr) return;
+  const size_t n = std::min(CopyThreads(total), rank_.copy_pool->size());
   copier_status_.assign(n, absl::OkStatus());
-  for (size_t i = 0; i < n; ++i) copiers_.emplace_back([this, i, n] { CopierLoop(i, n); });
+  copiers_ = true;
+  rank_.copy_pool->Start(n, [this, n](size_t i) { CopierLoop(i, n); });
 }
 
 void RankWorker::CopierLoop(size_t i, size_t n) {
@@ -106,9 +104,10 @@ void RankWorker::CopierLoop(size_t i, size_t n) {
 }
 
 absl::Status RankWorker::JoinCopiers(bool stop) {
+  if (!copiers_) return absl::OkStatus();
   if (stop) stop_copies_.store(true, std::memory_order_release);
-  for (std::thread& t : copiers_) t.join();
-  copiers_.clear();
+  rank_.copy_pool->Wait();
+  copiers_ = false;
   for (const absl::Status& s : copier_status_) LOGITSERVE_RETURN_IF_ERROR(s);
   return absl::OkStatus();
 }
@@ -183,7 +182,7 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
     const absl::Status copiers = JoinCopiers(/*stop=*/true);
     LOGITSERVE_RETURN_IF_ERROR(idle);
     LOGITSERVE_RETURN_IF_ERROR(copiers);
-  } else if (!copiers_.empty()) {
+  } else if (copiers_) {
     // The copier threads have every tile (the last one's event covers the whole job).
     LOGITSERVE_RETURN_IF_ERROR(JoinCopiers(/*stop=*/false));
     copied_ = num_tiles_;
@@ -210,10 +209,12 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
         if (waited[i].ok()) splits[j].Run(i);
       }
     };
-    std::vector<std::thread> threads;
-    for (size_t i = 1; i < n; ++i) threads.emplace_back(run, i);
-    run(0);
-    for (std::thread& t : threads) t.join();
+    if (n > 1 && rank_.copy_pool != nullptr && rank_.copy_pool->size() >= n) {
+      rank_.copy_pool->Start(n, run);
+      rank_.copy_pool->Wait();
+    } else {
+      for (size_t i = 0; i < n; ++i) run(i);
+    }
     for (absl::Status& w : waited) LOGITSERVE_RETURN_IF_ERROR(w);
     copied_ = num_tiles_;
     std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
