@@ -65,7 +65,9 @@ RankWorker::~RankWorker() { (void)JoinCopiers(/*stop=*/true); }
 void RankWorker::StartCopiers() {
   size_t total = 0;
   for (size_t b : out_bytes_) total += b;
-  if (!reports_ || total < kEarlyCopyBytes || rank_.copy_pool == nullptr) return;
+  if (!reports_ || !plan_.early_copies || total < kEarlyCopyBytes || rank_.copy_pool == nullptr) {
+    return;
+  }
   const size_t n = std::min(CopyThreads(total), rank_.copy_pool->size());
   copier_status_.assign(n, absl::OkStatus());
   copiers_ = true;
