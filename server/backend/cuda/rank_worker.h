@@ -169,11 +169,11 @@ class RankWorker final : public ShardedRank {
   int64_t TileRows(int64_t tile) const {
     return std::min(plan_.tile_rows, job_.rows - tile * plan_.tile_rows);
   }
-  // Reporting rank, large outputs: host threads (the rank's CopyPool) that copy each tile's
-  // outputs into the result as soon as the tile's copy-back arrives, while this thread still
-  // queues later tiles (Run starts them). Thread 0 alone polls the tiles' events (one thread in the
-  // driver beside the queueing one) and publishes progress in arrived_; every thread copies its
-  // share of each tile.
+  // Reporting rank, large outputs, CudaBackendOptions::copy_outputs_as_tiles_arrive: host threads
+  // (the rank's CopyPool) that copy each tile's outputs into the result as soon as the tile's
+  // copy-back arrives, while this thread still queues later tiles (Run starts them). Thread 0 alone
+  // polls the tiles' events (one thread in the driver beside the queueing one) and publishes
+  // progress in arrived_; every thread copies its share of each tile.
   void StartCopiers();
   void CopierLoop(size_t i, size_t n);
   // Stops and joins them; returns the first failure of their waits.
