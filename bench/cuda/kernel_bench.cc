@@ -29,7 +29,9 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -222,7 +224,8 @@ int main(int argc, char** argv) {
   int iters = 10, hidden_iters = 3;
   double jsd_tile_mb = 0;
   std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
-  bool no_logits = false, no_hidden = false;
+  std::vector<int64_t> tile_rows_list;
+  bool no_logits = false, no_hidden = false, early_copies = false;
   std::string json_path;
   app.add_option("--rows", rows, "logits mode: token rows N");
   app.add_option("--vocab", vocab, "logits mode: vocabulary V");
@@ -234,6 +237,12 @@ int main(int argc, char** argv) {
   app.add_option("--hidden-iters", hidden_iters, "hidden mode: timed repetitions");
   app.add_option("--jsd-tile-mb", jsd_tile_mb,
                  "logits mode: CudaBackendOptions::jsd_tile_bytes in MB (0 = no cap)");
+  app.add_option("--logits-tile-rows", tile_rows_list,
+                 "logits mode: CudaBackendOptions::logits_tile_rows to compare (the first gives "
+                 "the main table, each other one extra lines; default: the option's default)")
+      ->delimiter(',');
+  app.add_flag("--early-copies", early_copies,
+               "logits mode: CudaBackendOptions::copy_outputs_as_tiles_arrive = true");
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
   app.add_option("--json", json_path, "also write results as JSON");
@@ -260,14 +269,24 @@ int main(int argc, char** argv) {
 
   if (!no_logits) {
     const double free_before = FreeDeviceBytes(0);
-    logitserve::CudaBackendOptions options;
-    options.devices = {0};
-    options.jsd_tile_bytes = static_cast<size_t>(jsd_tile_mb * 1e6);
-    auto backend = logitserve::CreateCudaBackend(options);
-    if (!backend.ok()) {
-      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-      return 1;
+    // One backend per tile size compared (the first for the main table).
+    std::vector<std::pair<int64_t, std::unique_ptr<logitserve::Backend>>> backends;
+    if (tile_rows_list.empty()) tile_rows_list.push_back(-1);
+    for (int64_t tile_rows : tile_rows_list) {
+      logitserve::CudaBackendOptions options;
+      options.devices = {0};
+      options.jsd_tile_bytes = static_cast<size_t>(jsd_tile_mb * 1e6);
+      if (tile_rows >= 0) options.logits_tile_rows = tile_rows;
+      options.copy_outputs_as_tiles_arrive = early_copies;
+      auto made = logitserve::CreateCudaBackend(options);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
+        return 1;
+      }
+      backends.emplace_back(options.logits_tile_rows, std::move(*made));
     }
+    std::printf("logits_tile_rows of the main table: %ld (0 = by job)\n",
+                static_cast<long>(backends[0].first));
     std::vector<int32_t> ids(static_cast<size_t>(rows));
     for (int64_t i = 0; i < rows; ++i)
       ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % vocab);
@@ -337,7 +356,21 @@ int main(int argc, char** argv) {
         if (job.ids_per_row > 0) job.target_ids = ids;
         ScoreResult result;
         absl::Status status;
-        const double ms = BestWallMs(2, iters, [&] { status = (*backend)->Score(job, &result); });
+        const double floor_ms = op.reads == 1 ? one_read : two_reads;
+        for (size_t bi = 1; bi < backends.size(); ++bi) {  // the other tile sizes
+          ScoreResult other;
+          const double other_ms =
+              BestWallMs(2, iters, [&] { status = backends[bi].second->Score(job, &other); });
+          if (!status.ok()) {
+            std::fprintf(stderr, "%s: %s\n", op.name.c_str(), status.ToString().c_str());
+            return 1;
+          }
+          std::printf("%-6s %-14s %10.3f %10s %10.3f %8.2f  (logits_tile_rows %ld)\n",
+                      dname.c_str(), op.name.c_str(), other_ms, "", floor_ms, other_ms / floor_ms,
+                      static_cast<long>(backends[bi].first));
+        }
+        const double ms =
+            BestWallMs(2, iters, [&] { status = backends[0].second->Score(job, &result); });
         if (!status.ok()) {
           std::fprintf(stderr, "%s: %s\n", op.name.c_str(), status.ToString().c_str());
           return 1;
@@ -366,7 +399,6 @@ int main(int argc, char** argv) {
         }
         total_wrong += wrong;
         const double op_bytes = static_cast<double>(bytes) * op.reads;
-        const double floor_ms = op.reads == 1 ? one_read : two_reads;
         std::printf("%-6s %-14s %10.3f %10.0f %10.3f %8.2f %7d\n", dname.c_str(), op.name.c_str(),
                     ms, op_bytes / (ms * 1e6), floor_ms, ms / floor_ms, wrong);
         out["logits"].push_back({{"dtype", dname},
@@ -433,6 +465,19 @@ int main(int argc, char** argv) {
             CHECK_CUDA(kc::LaunchBlockStatsTopK(sa, nullptr, rows, records, blocks, 0, kk, lists,
                                                 counts, scratch, stream));
           });
+          // Its two halves (the pipeline runs them on different streams).
+          const double lane_ms = BestEventMs(stream, 2, iters, [&] {
+            CHECK_CUDA(
+                kc::LaunchTopKLaneMax(sa, nullptr, rows, records, blocks, 0, kk, scratch, stream));
+          });
+          const double select_ms = BestEventMs(stream, 2, iters, [&] {
+            CHECK_CUDA(cudaMemsetAsync(counts, 0, static_cast<size_t>(rows) * 4, stream));
+            CHECK_CUDA(kc::LaunchTopKSelect(sa, rows, kk, lists, counts, scratch, stream));
+          });
+          std::printf(
+              "%-6s kernels alone: top-k %d halves: stats + lane maxima %.3f ms, "
+              "selection + fallback %.3f ms\n",
+              dname.c_str(), kk, lane_ms, select_ms);
           cudaFree(lists);
           cudaFree(counts);
           cudaFree(scratch);

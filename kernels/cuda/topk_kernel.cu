@@ -15,6 +15,9 @@
 // and a merge per 2048 ids) ran at 20x one read. A first version of this one fused steps 1-3 into
 // a CTA per row: 3 CTAs per SM, each spending half its time in the selection, left DRAM 30 % busy
 // (Nsight Compute, 0.89 ms for k = 64); separating step 1 gives it the statistics kernel's rate.
+// Step 2-3 alone is latency-bound (about 0.2 ms for 8192 rows, k = 64): the CUDA backend runs it
+// for row tile t beside step 1 of tile t + 1 (LaunchTopKLaneMax / LaunchTopKSelect, two streams),
+// so that its latency hides under the statistics kernel's reads.
 //
 // Rows the threshold cannot serve go to the previous kernel, kept below as the exact fallback,
 // flagged by a negative count: candidates overflowing the buffer (heavy ties at T), or fewer than k
@@ -424,24 +427,23 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (threadIdx.x == 0) counts[row] = count;
 }
 
-// Step 1 (with the statistics when `stats` is set), step 2-3, and the fallback for flagged rows.
-cudaError_t LaunchTopK(const LogitsSource& a, int64_t rows, const detail::StatsOp* stats, int32_t k,
-                       TopKEntry* lists, int32_t* counts, float* lane_max, cudaStream_t stream) {
+// Whether the selection kernel serves this source (else the fallback serves every row).
+bool SelectServes(const LogitsSource& a, int64_t rows) {
+  return a.blocks() <= kMaxSelectBlocks && !detail::GridTooLarge(rows, a.blocks());
+}
+
+// Step 1: the lanes' maxima, with the statistics when `stats` is set (and only the statistics when
+// the selection does not serve the source: the fallback then needs no maxima).
+cudaError_t LaunchLaneMax(const LogitsSource& a, int64_t rows, const detail::StatsOp* stats,
+                          float* lane_max, cudaStream_t stream) {
   const int64_t blocks = a.blocks();
-  const DeviceSource da = detail::MakeDeviceSource(a);
-  const unsigned grid = static_cast<unsigned>(rows);
-  if (blocks > kMaxSelectBlocks || detail::GridTooLarge(rows, blocks)) {
-    if (stats != nullptr) {
-      const cudaError_t err = LaunchBlockStats(a, nullptr, rows, stats->stats, stats->stats_ld,
-                                               stats->stats_offset, stream);
-      if (err != cudaSuccess) return err;
-    }
-    TopKMergeKernel<<<grid, kBlockThreads, 0, stream>>>(da, a.col0, blocks, k, lists, counts,
-                                                        /*only_flagged=*/false);
-    return cudaGetLastError();
+  if (!SelectServes(a, rows)) {
+    if (stats == nullptr) return cudaSuccess;
+    return LaunchBlockStats(a, nullptr, rows, stats->stats, stats->stats_ld, stats->stats_offset,
+                            stream);
   }
+  const DeviceSource da = detail::MakeDeviceSource(a);
   const int64_t pairs = rows * blocks;
-  const size_t smem = SelectSharedBytes(blocks, k);
   cudaError_t err = cudaSuccess;
   detail::WithType(a.type, [&](auto ta) {
     constexpr FloatType T = decltype(ta)::value;
@@ -455,8 +457,25 @@ cudaError_t LaunchTopK(const LogitsSource& a, int64_t rows, const detail::StatsO
     }
   });
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kMaxTopK)));
+  return cudaGetLastError();
+}
+
+// Steps 2-3 from step 1's maxima, and the fallback for flagged rows (for every row when the
+// selection does not serve the source).
+cudaError_t LaunchSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
+                         int32_t* counts, const float* lane_max, cudaStream_t stream) {
+  const int64_t blocks = a.blocks();
+  const DeviceSource da = detail::MakeDeviceSource(a);
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (!SelectServes(a, rows)) {
+    TopKMergeKernel<<<grid, kBlockThreads, 0, stream>>>(da, a.col0, blocks, k, lists, counts,
+                                                        /*only_flagged=*/false);
+    return cudaGetLastError();
+  }
+  const size_t smem = SelectSharedBytes(blocks, k);
+  cudaError_t err =
+      cudaFuncSetAttribute(TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kMaxTopK)));
   if (err != cudaSuccess) return err;
   TopKSelectKernel<<<grid, kSelectThreads, smem, stream>>>(da, a.col0, blocks, lane_max, k,
                                                            CandidateCap(k), lists, counts);
@@ -478,24 +497,42 @@ size_t TopKScratchBytes(int64_t rows, int64_t blocks) {
 
 cudaError_t LaunchTopKUpdate(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
                              int32_t* counts, float* scratch, cudaStream_t stream) {
-  if (rows <= 0 || k <= 0 || a.cols <= 0) return cudaSuccess;
-  if (!TopKArgsValid(a, rows, k)) return cudaErrorInvalidValue;
-  return LaunchTopK(a, rows, nullptr, k, lists, counts, scratch, stream);
+  const cudaError_t err = LaunchTopKLaneMax(a, nullptr, rows, nullptr, 0, 0, k, scratch, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchTopKSelect(a, rows, k, lists, counts, scratch, stream);
 }
 
 cudaError_t LaunchBlockStatsTopK(const LogitsSource& a, const LogitsSource* b, int64_t rows,
                                  PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
                                  int32_t k, TopKEntry* lists, int32_t* counts, float* scratch,
                                  cudaStream_t stream) {
-  if (b != nullptr || k <= 0) {  // pairs: the statistics kernel, then the top-k of `a`
+  const cudaError_t err =
+      LaunchTopKLaneMax(a, b, rows, stats, stats_ld, stats_offset, k, scratch, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchTopKSelect(a, rows, k, lists, counts, scratch, stream);
+}
+
+cudaError_t LaunchTopKLaneMax(const LogitsSource& a, const LogitsSource* b, int64_t rows,
+                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
+                              int32_t k, float* scratch, cudaStream_t stream) {
+  if (stats != nullptr && (b != nullptr || k <= 0)) {
+    // Pairs: the statistics kernel, then the maxima of `a` alone (a second read of `a`).
     const cudaError_t err = LaunchBlockStats(a, b, rows, stats, stats_ld, stats_offset, stream);
     if (err != cudaSuccess) return err;
-    return LaunchTopKUpdate(a, rows, k, lists, counts, scratch, stream);
+    stats = nullptr;
   }
-  if (rows <= 0 || a.cols <= 0) return cudaSuccess;
+  if (rows <= 0 || k <= 0 || a.cols <= 0) return cudaSuccess;
   if (!TopKArgsValid(a, rows, k)) return cudaErrorInvalidValue;
+  if (stats == nullptr) return LaunchLaneMax(a, rows, nullptr, scratch, stream);
   const detail::StatsOp op{stats, stats_ld, stats_offset};
-  return LaunchTopK(a, rows, &op, k, lists, counts, scratch, stream);
+  return LaunchLaneMax(a, rows, &op, scratch, stream);
+}
+
+cudaError_t LaunchTopKSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
+                             int32_t* counts, const float* scratch, cudaStream_t stream) {
+  if (rows <= 0 || k <= 0 || a.cols <= 0) return cudaSuccess;
+  if (!TopKArgsValid(a, rows, k)) return cudaErrorInvalidValue;
+  return LaunchSelect(a, rows, k, lists, counts, scratch, stream);
 }
 
 }  // namespace logitserve::kernels::cuda

@@ -408,6 +408,162 @@ TEST(CudaDeterminism, LogitsRowBitsIndependentOfBatchPositionLayoutAndResidence)
   }
 }
 
+// Logits mode's row-tile pipeline (statistics of tile t + 1 beside the tail of tile t, two message
+// slots, output slices copied back per tile): every tile size gives the bits of one tile, with
+// logits read in place and staged from the host, on one and two shards; a single distribution
+// (the fused statistics + lane maxima launch, then the selection on the other stream) and a pair
+// with every output (JSD pass included). Rows with masked tokens and a row with fewer finite
+// tokens than k send rows to the top-k fallback in some tiles. And the bad-row marker names the
+// first bad row of the job when bad rows lie in several tiles.
+TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
+  constexpr int64_t kRows = 70, kVocab = 5000;  // two shards: [0, 2048) and [2048, 5000)
+  constexpr int32_t kTopK = 16;
+  std::mt19937_64 rng(59);
+  std::vector<float> m = RandomNormal(rng, kRows * kVocab, kLogitStd);
+  std::vector<float> r = RandomNormal(rng, kRows * kVocab, kLogitStd);
+  for (int64_t row = 0; row < kRows; row += 5) MaskRandomTokens(rng, m, kVocab, row, 0.3);
+  for (int64_t c = 10; c < kVocab; ++c) m[41 * kVocab + c] = -kInf;  // 10 finite tokens < k
+  const SharedMatrix hm = Share(Encode(FloatType::kBFloat16, kRows, kVocab, m));
+  const SharedMatrix hr = Share(Encode(FloatType::kBFloat16, kRows, kVocab, r));
+  const std::vector<int32_t> ids = RandomTargets(rng, kRows, 2, kVocab, -100, 0.2);
+  OwnedJob single, pair;
+  single.SetModelLogits(hm, 0.9f).WithTargets(ids, 2).WithTopK(kTopK).WithEntropy();
+  pair.SetModelLogits(hm, 0.9f).SetReferenceLogits(hr).WithEverything(ids, 2, kTopK, 0.3f);
+
+  const size_t bytes = static_cast<size_t>(kRows * kVocab) * 2;
+  void* dm = nullptr;
+  void* dr = nullptr;
+  ASSERT_EQ(cudaMalloc(&dm, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dr, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dm, hm->bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dr, hr->bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  auto on_device = [&](const OwnedJob& j) {
+    OwnedJob d = j;
+    d.job.model.logits.data = dm;
+    if (d.job.NeedsReference()) d.job.reference.logits.data = dr;
+    return d;
+  };
+  const OwnedJob jobs[] = {single, pair, on_device(single), on_device(pair)};  // host ones first
+  const char* names[] = {"single, host", "pair, host", "single, device", "pair, device"};
+
+  // One tile, one shard, host logits; the device-resident jobs (the same values) must match it
+  // too. (The reference reads host memory only.)
+  std::vector<ScoreResult> baseline;
+  for (int shards : {1, 2}) {
+    for (int64_t tile_rows : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{16}}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
+      CudaBackendOptions o;
+      o.devices = {0};
+      o.shards = shards;
+      o.logits_tile_rows = tile_rows;
+      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+      ASSERT_TRUE(b.ok()) << b.status();
+      for (size_t i = 0; i < std::size(jobs); ++i) {
+        SCOPED_TRACE(names[i]);
+        LOGITSERVE_ASSERT_SCORE(got, **b, jobs[i].job);
+        if (baseline.size() < 2) {
+          ExpectMatchesReference(jobs[i].job, got);
+          baseline.push_back(got);
+        } else {
+          ExpectBitwiseEqual(got, baseline[i % 2]);
+        }
+      }
+    }
+  }
+
+  // NaN in rows 50 and 20, +inf in the reference's row 33: tiles of 16 put them in tiles 3, 1
+  // and 2, and tiles of 1 each in its own; the error names the first bad row either way.
+  std::vector<float> bad_m = m, bad_r = r;
+  bad_m[50 * kVocab + 7] = std::numeric_limits<float>::quiet_NaN();
+  bad_m[20 * kVocab + 4999] = std::numeric_limits<float>::quiet_NaN();
+  bad_r[33 * kVocab + 2500] = kInf;
+  OwnedJob bad;
+  bad.SetModelLogits(Share(Encode(FloatType::kBFloat16, kRows, kVocab, bad_m)))
+      .SetReferenceLogits(Share(Encode(FloatType::kBFloat16, kRows, kVocab, bad_r)))
+      .WithEverything(ids, 2, kTopK, 0.3f);
+  std::unique_ptr<Backend> cpu = Cpu();
+  const absl::StatusOr<ScoreResult> want = RunJob(*cpu, bad.job);
+  ASSERT_FALSE(want.ok());
+  for (int64_t tile_rows : {int64_t{1}, int64_t{16}}) {
+    CudaBackendOptions o;
+    o.devices = {0};
+    o.logits_tile_rows = tile_rows;
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const absl::StatusOr<ScoreResult> got = RunJob(**b, bad.job);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status(), want.status());
+    EXPECT_NE(std::string(got.status().message()).find("row 20"), std::string::npos)
+        << got.status();
+  }
+  cudaFree(dm);
+  cudaFree(dr);
+}
+
+// Outputs of a megabyte or more come back on the reporting rank's kept host threads, which copy
+// each tile as it arrives from the start of the job (copy_outputs_as_tiles_arrive; rank_worker.h,
+// StartCopiers) or every tile once all are queued (the default): the same bits for every tile size
+// and layout, and a job stopped mid-way (its copiers stopped with it) leaves the backend serving
+// the next one.
+TEST(CudaDeterminism, LargeOutputsCopiedAsTilesArrive) {
+  constexpr int64_t kRows = 2100, kVocab = 5000;  // 2100 x 64 x 8 B = 1.08 MB of top-k output
+  constexpr int32_t kTopK = 64;
+  std::mt19937_64 rng(61);
+  std::vector<float> m = RandomNormal(rng, kRows * kVocab, kLogitStd);
+  for (int64_t row = 0; row < kRows; row += 97) MaskRandomTokens(rng, m, kVocab, row, 0.5);
+  const SharedMatrix hm = Share(Encode(FloatType::kBFloat16, kRows, kVocab, m));
+  OwnedJob job;
+  job.SetModelLogits(hm).WithTargets(RandomTargets(rng, kRows, 1, kVocab, -100, 0.1), 1);
+  job.WithTopK(kTopK).WithEntropy();
+  const size_t bytes = static_cast<size_t>(kRows * kVocab) * 2;
+  void* dm = nullptr;
+  ASSERT_EQ(cudaMalloc(&dm, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dm, hm->bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  OwnedJob resident = job;
+  resident.job.model.logits.data = dm;
+
+  std::unique_ptr<ScoreResult> baseline;
+  for (bool early : {false, true}) {
+    for (int shards : {1, 2}) {
+      for (int64_t tile_rows : {int64_t{8192}, int64_t{0}, int64_t{7}, int64_t{300}}) {
+        SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows) +
+                     (early ? ", copied as tiles arrive" : ", copied at the end"));
+        CudaBackendOptions o;
+        o.devices = {0};
+        o.shards = shards;
+        o.logits_tile_rows = tile_rows;
+        o.copy_outputs_as_tiles_arrive = early;
+        absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+        ASSERT_TRUE(b.ok()) << b.status();
+        LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
+        LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
+        if (baseline == nullptr) {
+          ExpectMatchesReference(job.job, host);
+          baseline = std::make_unique<ScoreResult>(host);
+        }
+        ExpectBitwiseEqual(host, *baseline);
+        ExpectBitwiseEqual(dev, *baseline);
+        // Stopped at the third stop check (one per tile per rank): every size but the one tile.
+        std::atomic<int> calls{0};
+        OwnedJob stopped = resident;
+        stopped.job.stop = [&calls](int64_t) {
+          return ++calls > 2 ? absl::CancelledError("stop") : absl::OkStatus();
+        };
+        const absl::StatusOr<ScoreResult> cut = RunJob(**b, stopped.job);
+        if (tile_rows == 8192) {
+          EXPECT_TRUE(cut.ok()) << cut.status();
+        } else {
+          ASSERT_FALSE(cut.ok());
+          EXPECT_EQ(cut.status().code(), absl::StatusCode::kCancelled) << cut.status();
+        }
+        LOGITSERVE_ASSERT_SCORE(again, **b, resident.job);
+        ExpectBitwiseEqual(again, *baseline);
+      }
+    }
+  }
+  cudaFree(dm);
+}
+
 // Hidden mode: a row alone vs in batches of 1100 at positions 511 and 600 (other 512-row tiles,
 // other offsets in them), hidden states as fp32 / bf16 / fp16 with equal values (k/16), heads in
 // bf16 and fp32, on every layout.

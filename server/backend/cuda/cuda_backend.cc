@@ -50,13 +50,16 @@ namespace {
 namespace k = kernels;
 namespace kc = kernels::cuda;
 using cuda_internal::CeilDiv;
+using cuda_internal::CopyPool;
 using cuda_internal::CudaHead;
 using cuda_internal::DeviceOf;
 using cuda_internal::IsPageable;
 using cuda_internal::JobPlan;
+using cuda_internal::JoinSideStreams;
 using cuda_internal::kMaxLogitsTileRows;
 using cuda_internal::kNoBadRow;
 using cuda_internal::kTileEvents;
+using cuda_internal::kTopKTileRows;
 using cuda_internal::LtHandle;
 using cuda_internal::ParseTestFault;
 using cuda_internal::Rank;
@@ -236,6 +239,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   }
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());
   p.overlap_gemms = options_.overlap_hidden_gemms;
+  p.early_copies = options_.copy_outputs_as_tiles_arrive;
   int64_t widest = 0;
   for (const ShardRange& s : p.layout) widest = std::max(widest, s.end - s.begin);
   p.chunk_cols = p.any_hidden ? kCudaVocabChunk : std::max<int64_t>(widest, 1);
@@ -273,7 +277,9 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   } else {
     // Any tile size gives the same bits in logits mode (rows are independent); this one bounds
     // the staging memory and the per-tile message.
-    int64_t rows = kMaxLogitsTileRows;
+    int64_t rows = options_.logits_tile_rows > 0
+                       ? options_.logits_tile_rows
+                       : (job.top_k > 0 ? kTopKTileRows : kMaxLogitsTileRows);
     if (staging_per_row > 0) {
       rows = std::min<int64_t>(
           rows, static_cast<int64_t>(options_.logits_staging_bytes) / staging_per_row);
@@ -314,18 +320,18 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   auto run_rank = [&](int r) {
     RankWorker worker(*ranks_[static_cast<size_t>(r)], plan, ranks, failure, fatal_,
                       options_.collective_timeout,
-                      r == options_.test_fail_rank ? options_.test_fail_step : -1, fault_);
+                      r == options_.test_fail_rank ? options_.test_fail_step : -1, fault_, result);
     // Prepare only allocates and uploads; the ranks agree on it before the first collective.
     absl::Status s = worker.Prepare();
     fatal_check(s);
     if (failure.Failed(-1, r, !s.ok())) {
       // Prepare's copy of the target ids may still be queued: let it finish.
-      fatal_check(worker.Finish(/*copy=*/false, result, first_bad));
+      fatal_check(worker.Finish(/*copy=*/false, first_bad));
       status[static_cast<size_t>(r)] = s.ok() ? PeerFailed(failure.rank()) : s;
       return;
     }
     s = worker.Run();
-    absl::Status f = worker.Finish(/*copy=*/s.ok(), result, first_bad);
+    absl::Status f = worker.Finish(/*copy=*/s.ok(), first_bad);
     fatal_check(f);
     if (s.ok() && !f.ok()) failure.Note(r);
     status[static_cast<size_t>(r)] = s.ok() ? f : s;
@@ -374,9 +380,7 @@ void CudaBackend::ShutDownAfterFatalError() {
   const absl::Duration drain = bound;
   for (auto& r : ranks_) {
     DeviceGuard guard(r->device);
-    if (!guard.status().ok() ||
-        cudaEventRecord(r->gemm_idle.get(), r->gemm_stream.get()) != cudaSuccess ||
-        cudaStreamWaitEvent(r->stream.get(), r->gemm_idle.get(), 0) != cudaSuccess ||
+    if (!guard.status().ok() || !JoinSideStreams(*r, /*with_copies=*/true).ok() ||
         cudaEventRecord(r->idle.get(), r->stream.get()) != cudaSuccess) {
       continue;
     }
@@ -477,6 +481,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   for (int64_t w : options.shard_weights) {
     if (w < 0) return absl::InvalidArgumentError("shard_weights must be >= 0");
   }
+  if (options.logits_tile_rows < 0) {
+    return absl::InvalidArgumentError("logits_tile_rows must be >= 0");
+  }
   if (options.collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("collective_timeout must be > 0");
   }
@@ -503,6 +510,19 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     // The statistics stream first: its short kernels take SMs as GEMM blocks retire.
     LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, greatest_priority));
     LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream.Create(rank->device));
+    for (CudaStream& s : rank->stats_streams) {
+      LOGITSERVE_RETURN_IF_ERROR(s.Create(rank->device, least_priority));
+    }
+    LOGITSERVE_RETURN_IF_ERROR(rank->copy_stream.Create(rank->device, greatest_priority));
+    for (auto* events : {&rank->stats_done, &rank->message_free}) {
+      for (CudaEvent& e : *events) {
+        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
+      }
+    }
+    LOGITSERVE_RETURN_IF_ERROR(rank->outputs_ready.Create(rank->device));
+    for (CudaEvent& e : rank->side_idle) {
+      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
+    }
     for (auto* events : {&rank->slot_filled, &rank->slot_free}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
@@ -511,9 +531,6 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     LOGITSERVE_RETURN_IF_ERROR(rank->slots_released.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->uploaded.Create(rank->device));
-    for (CudaEvent& e : rank->output_pieces) {
-      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
-    }
     LOGITSERVE_RETURN_IF_ERROR(rank->lt.Create());
     if (auto s = rank->cublas_workspace.Reserve(rank->device, kCublasWorkspaceBytes); !s.ok()) {
       return s;
@@ -522,6 +539,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
+    if (r == 0) {  // the reporting rank
+      rank->copy_pool = std::make_unique<CopyPool>(cuda_internal::MaxCopyThreads());
+    }
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());
     ranks.push_back(std::move(rank));

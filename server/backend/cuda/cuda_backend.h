@@ -12,7 +12,14 @@
 //   every rank folds them in global block order (identical bits on every rank); rank 0 writes
 //     the outputs;
 //   JSD only: a second pass over the tile with the global normalisation; partials all-gathered and
-//     summed in global block order.
+//     summed in global block order;
+//   rank 0 copies the tile's slice of every output back to pinned host memory.
+//
+// Logits mode runs its row tiles as a pipeline (rank_worker.h): the statistics of tile t + 1 (on
+// a low-priority stream) read the logits while tile t's latency-bound tail (top-k selection,
+// all-gather, fold, JSD pass, output copy) runs beside them, events only between them, so only
+// the last tile's tail adds to the job's time (how many tiles: logits_tile_rows below). Hidden
+// mode pipelines its GEMMs instead (above).
 //
 // Nothing of size [N, V] is ever allocated. Results are bitwise independent of the batch, of the
 // row's position, of the number of devices and of the input dtype carrying the same values (see
@@ -28,11 +35,12 @@
 // Stops and failures: before every row tile each rank calls job.stop (ScoreJob::CheckStop); a
 // stop, like a failure, is agreed by every rank at the same checkpoint (JobFailure), so all end at
 // the same tile and Score returns the stop's own status (CANCELLED, DEADLINE_EXCEEDED). A rank
-// keeps at most two tiles queued ahead of its host thread (one with pageable inputs), so a stop
-// takes effect within a tile or two. A fatal device error - a sticky CUDA error, any NCCL error,
-// or a stream / NCCL call without progress for CudaBackendOptions::collective_timeout (the
-// watchdog; every wait on the GPU polls with that deadline instead of blocking) - fails the job,
-// aborts every NCCL communicator and takes the backend out of service: Health(), Score and
+// keeps at most two tiles queued ahead of its host thread in hidden mode (one with pageable
+// inputs) and at most 8192 rows' worth of tiles in logits mode (about one read of a large job),
+// so a stop takes effect within that much work. A fatal device error - a sticky CUDA error, any
+// NCCL error, or a stream / NCCL call without progress for CudaBackendOptions::collective_timeout
+// (the watchdog; every wait on the GPU polls with that deadline instead of blocking) - fails the
+// job, aborts every NCCL communicator and takes the backend out of service: Health(), Score and
 // PrepareHead return that INTERNAL error from then on.
 //
 // Thread safety: PrepareHead and Score may be called from any thread. Score calls are serialised
@@ -63,6 +71,16 @@ struct CudaBackendOptions {
   // Device memory a rank may use for staging host logits per row tile (logits mode); the tile's
   // row count follows from it and never changes a result.
   size_t logits_staging_bytes = size_t{1} << 30;
+  // Logits mode: rows per row tile; 0 = by job (JobPlan::kTopKTileRows with top-k, else one tile
+  // of up to kMaxLogitsTileRows). The staging and JSD caps below may lower it. The tiles run as a
+  // pipeline: the statistics of tile t + 1 read the logits while tile t's latency-bound tail
+  // (top-k selection, all-gather, fold, JSD pass, output copy-back) runs on a second stream, so
+  // only the last tile's tail is exposed. Tile size never changes a result (rows are
+  // independent). Each tile costs ~17 us of host time and a few us of GPU time (H200, measured
+  // by logitserve-kernel-bench --logits-tile-rows): it pays off when the tail is long (top-k: the
+  // selection and megabytes of output copy-back), not for logprobs / entropy / KL / JSD, whose
+  // tails (gather, fold, small copies) are mostly fixed latency.
+  int64_t logits_tile_rows = 0;
   // Logits mode with a JSD pass (0 < beta < 1): the row tile holds at most this many bytes of
   // both distributions, so the second pass re-reads it from L2 (H200: 50 MB). 0 = no cap. Tile
   // size never changes a result; smaller tiles cost more launches and, across GPUs, more
@@ -70,6 +88,12 @@ struct CudaBackendOptions {
   // kernels since reverted) measured JSD at 8.6 ms against 3.6 ms uncapped ([8192 x 75968] bf16);
   // the cap alone has not been measured yet.
   size_t jsd_tile_bytes = 0;
+  // Outputs of 1 MB or more: copied into the result by the reporting rank's kept host threads
+  // tile by tile as each tile's copy-back arrives, from the start of the job; else (default) by
+  // those threads once every tile is queued (RankWorker::Finish). Either way the same bytes. Off:
+  // measured no faster (H200, [8192 x 75968] bf16, 1024-row tiles: top-k 64 0.726 ms against
+  // 0.695, k = 1024 3.79 against 3.74).
+  bool copy_outputs_as_tiles_arrive = false;
   // Hidden mode: run the tile GEMMs on a second stream so that they overlap the statistics of
   // the previous chunk (double-buffered logits tiles), or both on one stream. Either way the same
   // kernels read the same inputs: the bits do not change.

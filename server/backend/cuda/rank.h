@@ -11,9 +11,11 @@
 #include <array>
 #include <cstddef>
 #include <memory>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "server/backend/communicator.h"
+#include "server/backend/cuda/copy_pool.h"
 #include "server/backend/cuda/cuda_status.h"
 #include "server/backend/cuda/device_resources.h"
 #include "server/backend/cuda/nccl_communicator.h"
@@ -23,13 +25,13 @@ namespace logitserve::cuda_internal {
 namespace k = kernels;
 namespace kc = kernels::cuda;
 
-// Row tiles in flight per rank (tile_done events): the host waits for tile t - 2 before it queues
-// tile t, so the GPU always has the next tile queued while stop checks and the watchdog stay
-// within two tiles of the device.
-constexpr int kTileEvents = 2;
+// Row tiles in flight per rank at most (tile_done events, a ring): the host waits for tile
+// t - depth before it queues tile t (RankWorker::WaitTile picks depth <= kTileEvents), so stop
+// checks and the watchdog stay within `depth` tiles of the device.
+constexpr int kTileEvents = 16;
 
-// Pieces (and host threads) of the output copy-back at most (RankWorker::Finish).
-constexpr size_t kOutputPieces = 8;
+// Host threads of the output copy-back at most (RankWorker::Finish).
+constexpr size_t kOutputThreads = 8;
 
 // Carves one device buffer into 256-byte aligned pieces.
 class Carver {
@@ -79,7 +81,16 @@ struct Rank {
   CudaEvent slots_released;              // stream: JSD pass done with the tile's kept chunks
   CudaEvent gemm_idle;                   // joins gemm_stream into stream
   CudaEvent uploaded;                    // gemm_stream: the job's set-up copies are done
-  std::array<CudaEvent, kOutputPieces> output_pieces;  // stream: output piece i is on the host
+  // Logits mode's row-tile pipeline (RankWorker::ComputeTile): the statistics of tile t run on
+  // stats_streams[t % 2] (low priority) into message slot t % 2 while `stream` runs the tail of
+  // tile t - 1 (gather, top-k selection, all-gather, fold, JSD pass); copy_stream brings each
+  // tile's outputs back to pinned memory while later tiles compute.
+  std::array<CudaStream, 2> stats_streams;
+  CudaStream copy_stream;
+  std::array<CudaEvent, 2> stats_done;    // stats_streams[s]: slot s holds its tile's records
+  std::array<CudaEvent, 2> message_free;  // stream: the tail is done with slot s
+  CudaEvent outputs_ready;                // stream: the tile's outputs are written
+  std::array<CudaEvent, 3> side_idle;     // joins stats_streams[0], [1] and copy_stream into stream
   LtHandle lt;
   DeviceBuffer cublas_workspace;
   DeviceBuffer workspace;              // per-job scratch, grown on demand
@@ -87,8 +98,11 @@ struct Rank {
   PinnedBuffer host_io;                // target ids up, outputs down: asynchronous copies
   std::unique_ptr<Communicator> comm;  // null when the backend has one rank
   NcclCommunicator* nccl = nullptr;    // comm, when it is NCCL
-  std::array<CudaEvent, kTileEvents> tile_done;  // tile t recorded in tile_done[t % kTileEvents]
-  CudaEvent idle;                                // "everything queued so far is done"
+  // Tile t's work is done (and, on the reporting rank, its outputs are in host_io):
+  // tile_done[t % kTileEvents], recorded on copy_stream (reporting rank) or stream.
+  std::array<CudaEvent, kTileEvents> tile_done;
+  std::unique_ptr<CopyPool> copy_pool;  // the reporting rank's output copy threads
+  CudaEvent idle;                       // "everything queued so far is done"
   ~Rank() {
     comm.reset();  // before the stream it uses
     DeviceGuard guard(device);
@@ -96,5 +110,21 @@ struct Rank {
     cublas_workspace.Free();
   }
 };
+
+// Makes rank.stream wait for everything queued so far on gemm_stream and stats_streams (and on
+// copy_stream when `with_copies`): one event then covers all of the rank's work.
+inline absl::Status JoinSideStreams(Rank& rank, bool with_copies) {
+  const std::pair<cudaStream_t, cudaEvent_t> sides[] = {
+      {rank.gemm_stream.get(), rank.gemm_idle.get()},
+      {rank.stats_streams[0].get(), rank.side_idle[0].get()},
+      {rank.stats_streams[1].get(), rank.side_idle[1].get()},
+      {rank.copy_stream.get(), rank.side_idle[2].get()}};
+  for (const auto& [side, event] : sides) {
+    if (side == rank.copy_stream.get() && !with_copies) continue;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(event, side));
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(rank.stream.get(), event, 0));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace logitserve::cuda_internal

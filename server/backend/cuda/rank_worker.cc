@@ -4,7 +4,6 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
@@ -14,69 +13,6 @@ namespace logitserve::cuda_internal {
 
 namespace k = kernels;
 namespace kc = kernels::cuda;
-
-namespace {
-
-// A copy of `bytes` bytes from src to dst.
-struct HostCopy {
-  void* dst;
-  const void* src;
-  size_t bytes;
-};
-
-// The host side of the output copy-back, split over threads when large: one core copies ~10 GB/s,
-// so the 4 MB of a top-k = 64 output for 8192 rows took as long on one as the top-k kernels
-// (64 MB for k = 1024: ten times longer). Thread i copies bytes [i * share, (i + 1) * share) of
-// the concatenated copies, whose sources lie in increasing order in one staging block; PieceEnd(i)
-// is where the staging range that share reads ends, so the device-to-host copy of the block can go
-// in those pieces and thread i start as soon as piece i has arrived.
-class SplitCopy {
- public:
-  explicit SplitCopy(std::vector<HostCopy> copies) : copies_(std::move(copies)) {
-    constexpr size_t kPerThread = size_t{1} << 20;
-    size_t total = 0;
-    for (const HostCopy& c : copies_) total += c.bytes;
-    const size_t most = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kMaxThreads);
-    n_ = std::clamp<size_t>((total + kPerThread - 1) / kPerThread, 1, most);
-    share_ = (total + n_ - 1) / n_;
-  }
-  static constexpr size_t kMaxThreads = kOutputPieces;
-  size_t threads() const { return n_; }
-
-  // Where the sources that share i reads end, as an offset from `base` (the staging block they
-  // all lie in); 0 for an empty share.
-  size_t PieceEnd(size_t i, const uint8_t* base) const {
-    size_t end = 0;
-    ForShare(i, [&](const HostCopy& c, size_t off, size_t bytes) {
-      end = static_cast<size_t>(static_cast<const uint8_t*>(c.src) + off + bytes - base);
-    });
-    return end;
-  }
-  void Run(size_t i) const {
-    ForShare(i, [](const HostCopy& c, size_t off, size_t bytes) {
-      std::memcpy(static_cast<uint8_t*>(c.dst) + off, static_cast<const uint8_t*>(c.src) + off,
-                  bytes);
-    });
-  }
-
- private:
-  template <typename F>
-  void ForShare(size_t i, F&& f) const {
-    const size_t begin = i * share_, end = begin + share_;
-    size_t at = 0;
-    for (const HostCopy& c : copies_) {
-      const size_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
-      if (lo < hi) f(c, lo - at, hi - lo);
-      at += c.bytes;
-    }
-  }
-
-  std::vector<HostCopy> copies_;
-  size_t n_ = 1;
-  size_t share_ = 0;
-};
-
-}  // namespace
 
 void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                            std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets) {
@@ -117,22 +53,27 @@ absl::Status RankWorker::Prepare() {
   const size_t rows = static_cast<size_t>(plan_.tile_rows);
   const size_t n = static_cast<size_t>(job_.rows);
   Carver carver;
-  const size_t send_at = carver.Add(m.bytes);
+  // Logits mode: two message slots and two lane-maxima scratches (the pipeline, see the header).
+  const int slots = pipelined() ? 2 : 1;
+  std::array<size_t, 2> send_at{}, topk_scratch_at{};
+  for (int i = 0; i < slots; ++i) send_at[static_cast<size_t>(i)] = carver.Add(m.bytes);
   const size_t recv_at = num_ranks_ > 1 ? carver.Add(m.bytes * static_cast<size_t>(num_ranks_)) : 0;
   const size_t partial_bytes = rows * static_cast<size_t>(plan_.max_blocks) * sizeof(float);
   const size_t psend_at = plan_.jsd_pass ? carver.Add(partial_bytes) : 0;
   const size_t precv_at = plan_.jsd_pass && num_ranks_ > 1
                               ? carver.Add(partial_bytes * static_cast<size_t>(num_ranks_))
                               : 0;
-  const size_t topk_scratch_at =
-      job_.top_k > 0 ? carver.Add(kc::TopKScratchBytes(plan_.tile_rows, plan_.max_blocks)) : 0;
+  for (int i = 0; i < slots && job_.top_k > 0; ++i) {
+    topk_scratch_at[static_cast<size_t>(i)] =
+        carver.Add(kc::TopKScratchBytes(plan_.tile_rows, plan_.max_blocks));
+  }
   const size_t fa_at = carver.Add(rows * sizeof(k::RowStats));
   const size_t fb_at = carver.Add(rows * sizeof(k::RowStats));
   const size_t ids_count = n * static_cast<size_t>(job_.ids_per_row);
   const size_t ids_at = carver.Add(ids_count * sizeof(int32_t));
   // The bad-row markers, then the requested outputs (rank 0 only), in one block laid out exactly
-  // as its pinned staging after the ids: Finish brings it back in one copy per host thread, not
-  // one per output (each copy is a few us of latency at the end of the job).
+  // as its pinned staging after the ids: each tile's slices come back as the tile ends
+  // (CopyTileOutputs), neighbouring slices in one copy (each is a few us of latency).
   const size_t topk_count = n * static_cast<size_t>(job_.top_k);
   Carver block;
   block.Add(2 * sizeof(int32_t));  // first_bad_ at offset 0
@@ -149,6 +90,25 @@ absl::Status RankWorker::Prepare() {
   }
   for (size_t i = 0; i < out_bytes_.size(); ++i) {
     out_at_[i] = out_bytes_[i] > 0 ? block.Add(out_bytes_[i]) : 0;
+  }
+  if (reports_) {
+    ScoreResult& r = *result_;
+    const std::pair<void*, size_t> dst[] = {
+        {r.target_logprobs.data(), r.target_logprobs.size() * sizeof(float)},
+        {r.top_k_ids.data(), r.top_k_ids.size() * sizeof(int32_t)},
+        {r.top_k_logprobs.data(), r.top_k_logprobs.size() * sizeof(float)},
+        {r.entropy.data(), r.entropy.size() * sizeof(float)},
+        {r.reference_entropy.data(), r.reference_entropy.size() * sizeof(float)},
+        {r.forward_kl.data(), r.forward_kl.size() * sizeof(float)},
+        {r.reverse_kl.data(), r.reverse_kl.size() * sizeof(float)},
+        {r.jsd.data(), r.jsd.size() * sizeof(float)}};
+    for (size_t i = 0; i < out_bytes_.size(); ++i) {
+      out_dst_[i] = dst[i].first;
+      if (out_bytes_[i] > 0 && dst[i].second != out_bytes_[i]) {  // StartResult sized them
+        return absl::InternalError(absl::StrCat("output ", i, " has ", dst[i].second,
+                                                " bytes, the job computes ", out_bytes_[i]));
+      }
+    }
   }
   out_block_bytes_ = block.total();
   const size_t block_at = carver.Add(out_block_bytes_);
@@ -184,11 +144,14 @@ absl::Status RankWorker::Prepare() {
     }
   }
   uint8_t* base = rank_.workspace.as<uint8_t>();
-  send_ = base + send_at;
-  recv_ = num_ranks_ > 1 ? base + recv_at : send_;
+  for (int i = 0; i < slots; ++i) {
+    send_[static_cast<size_t>(i)] = base + send_at[static_cast<size_t>(i)];
+    topk_scratch_[static_cast<size_t>(i)] =
+        reinterpret_cast<float*>(base + topk_scratch_at[static_cast<size_t>(i)]);
+  }
+  recv_ = num_ranks_ > 1 ? base + recv_at : nullptr;  // one rank: Gathered() is send_[slot_]
   partial_send_ = reinterpret_cast<float*>(base + psend_at);
   partial_recv_ = num_ranks_ > 1 ? reinterpret_cast<float*>(base + precv_at) : partial_send_;
-  topk_scratch_ = reinterpret_cast<float*>(base + topk_scratch_at);
   folded_a_ = reinterpret_cast<k::RowStats*>(base + fa_at);
   folded_b_ = reinterpret_cast<k::RowStats*>(base + fb_at);
   out_block_ = base + block_at;
@@ -253,7 +216,8 @@ absl::Status RankWorker::IssueUploads() {
   return absl::OkStatus();
 }
 
-absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows) {
+absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
+                                   cudaStream_t logits_stream) {
   if (shard_width_ == 0) return absl::OkStatus();
   if (!d.hidden) {
     if (d.zero_copy) return absl::OkStatus();
@@ -263,7 +227,7 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows) {
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpy2DAsync(
         d.staging, static_cast<size_t>(d.staging_ld * es), src,
         static_cast<size_t>(job_.vocab * es), static_cast<size_t>(shard_width_ * es),
-        static_cast<size_t>(rows), cudaMemcpyDefault, stream()));
+        static_cast<size_t>(rows), cudaMemcpyDefault, logits_stream));
     return absl::OkStatus();
   }
   const MatrixView& h = d.in->hidden;
@@ -332,6 +296,73 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
 }
 
 absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
+  return pipelined() ? ComputeLogitsTile(row0, rows) : ComputeHiddenTile(row0, rows);
+}
+
+absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
+  const kc::TileMessage& m = plan_.msg;
+  const int64_t tile = row0 / plan_.tile_rows;
+  slot_ = static_cast<int>(tile % 2);
+  const size_t s = static_cast<size_t>(slot_);
+  const cudaStream_t stats = rank_.stats_streams[s].get();
+  auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
+    return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
+                      __LINE__);
+  };
+  uint8_t* msg = send_[s];
+  auto* lists = reinterpret_cast<k::TopKEntry*>(msg + m.topk_offset);
+  auto* counts = reinterpret_cast<int32_t*>(msg + m.count_offset);
+  if (num_chunks_ > 0) {
+    // Slot s was last read by the tail of tile - 2; the single staging by that of tile - 1.
+    if (tile >= 2) {
+      LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.message_free[s]));
+    }
+    const bool staged = !model_.zero_copy || (plan_.pair && !ref_.zero_copy);
+    if (staged && tile >= 1) {
+      LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.message_free[s ^ 1]));
+    }
+    LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows, stats));
+    if (plan_.pair) {
+      LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows, stats));
+    }
+    // Logits mode reads the widest shard in one chunk (JobPlan::chunk_cols).
+    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource a, Source(model_, 0, row0, false, 0));
+    kc::LogitsSource b;
+    if (plan_.pair) {
+      LOGITSERVE_ASSIGN_OR_RETURN(b, Source(ref_, 0, row0, false, 0));
+    }
+    const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
+    k::PairBlockStats* records = StatsOf(msg, m);
+    if (job_.top_k > 0) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTopKLaneMax(a, ref, rows, records, m.max_blocks, 0,
+                                                            job_.top_k, topk_scratch_[s], stats));
+    } else {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchBlockStats(a, ref, rows, records, m.max_blocks, 0, stats));
+    }
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.stats_done[s].get(), stats));
+    // The tail, on `stream`: behind the previous tile's tail, and this tile's statistics.
+    LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[s]));
+    LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
+    if (job_.ids_per_row > 0) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchGatherTargets(a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row,
+                                  reinterpret_cast<float*>(msg + m.target_offset), stream()));
+    }
+    if (job_.top_k > 0) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchTopKSelect(a, rows, job_.top_k, lists, counts, topk_scratch_[s], stream()));
+    }
+  } else if (job_.top_k > 0) {  // a shard without columns: empty lists
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   const kc::TileMessage& m = plan_.msg;
   // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % 2:
   // its GEMMs wait until the statistics of chunk g - 2 are done with that slot, and its statistics
@@ -349,14 +380,15 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   if (split && plan_.jsd_pass && row0 > 0) {
     LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slots_released));
   }
-  LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows));
+  LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows, stream()));
   if (plan_.pair) {
-    LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows));
+    LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows, stream()));
   }
-  k::PairBlockStats* stats = StatsOf(send_, m);
-  auto* lists = reinterpret_cast<k::TopKEntry*>(send_ + m.topk_offset);
-  auto* counts = reinterpret_cast<int32_t*>(send_ + m.count_offset);
-  auto* targets = reinterpret_cast<float*>(send_ + m.target_offset);
+  uint8_t* msg = send_[0];
+  k::PairBlockStats* stats = StatsOf(msg, m);
+  auto* lists = reinterpret_cast<k::TopKEntry*>(msg + m.topk_offset);
+  auto* counts = reinterpret_cast<int32_t*>(msg + m.count_offset);
+  auto* targets = reinterpret_cast<float*>(msg + m.target_offset);
   bool cleared = false;  // the uploads are issued and the top-k counts cleared (below)
   for (int64_t c = 0; c < num_chunks_; ++c) {
     const int64_t g = chunk_seq_++;
@@ -387,7 +419,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       }
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStatsTopK(a, ref, rows, stats, m.max_blocks,
                                                                local_block, job_.top_k, lists,
-                                                               counts, topk_scratch_, stream()));
+                                                               counts, topk_scratch_[0], stream()));
     } else {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream()));
@@ -414,7 +446,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   if (auto s = IssueUploads(); !s.ok()) return s;  // a shard without columns launched nothing
   kc::GatheredTile tile;
-  tile.messages = recv_;
+  tile.messages = Gathered();
   tile.layout = plan_.msg;
   tile.shards = plan_.shards;
   tile.num_blocks = plan_.num_blocks;
@@ -467,14 +499,8 @@ absl::Status RankWorker::WaitFor(cudaEvent_t event, const char* what) {
       absl::StrCat(what, " on GPU ", rank_.device, " (vocabulary shard ", rank_.index, ")"));
 }
 
-absl::Status RankWorker::JoinGemmStream() {
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.gemm_idle.get(), gemm_stream()));
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.gemm_idle.get(), 0));
-  return absl::OkStatus();
-}
-
 absl::Status RankWorker::WaitIdle(const char* what) {
-  LOGITSERVE_RETURN_IF_ERROR(JoinGemmStream());
+  LOGITSERVE_RETURN_IF_ERROR(JoinSideStreams(rank_, /*with_copies=*/true));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.idle.get(), stream()));
   return WaitFor(rank_.idle.get(), what);
 }
@@ -503,16 +529,39 @@ absl::Status RankWorker::Run() {
   tiles.jsd_pass = plan_.jsd_pass;
   tiles.rank = rank_.index;
   tiles.test_fail_step = test_fail_step_;
+  StartCopiers();
   return RunShardedJob(job_, tiles, failure_, *this);
 }
 
+int64_t RankWorker::Depth() const {
+  // A pageable logits copy waits for the stream inside the driver anyway: one tile. Hidden mode:
+  // two (the pinned hidden tiles are double-buffered; the GPU keeps the next tile queued). Logits
+  // mode: as many tiles as make up kLogitsRowsAhead rows, so that the host never waits for a
+  // tile's tail before it queues the next tile's statistics, while stop checks and the watchdog
+  // stay within about one 8192-row job of the device.
+  constexpr int64_t kLogitsRowsAhead = 8192;
+  if (plan_.pageable_logits) return 1;
+  if (!pipelined()) return 2;
+  return std::clamp<int64_t>(kLogitsRowsAhead / plan_.tile_rows, 2, kTileEvents);
+}
+
 absl::Status RankWorker::WaitTile(int64_t tile) {
-  // At most `depth` tiles queued ahead of the host. Two keep the GPU busy while the host queues
-  // the next tile; one where a pageable copy would wait for the stream inside the driver anyway.
-  const int64_t depth = plan_.pageable_logits ? 1 : kTileEvents;
+  const int64_t depth = Depth();
   if (tile < depth) return absl::OkStatus();
-  return WaitFor(rank_.tile_done[static_cast<size_t>((tile - depth) % kTileEvents)].get(),
-                 "row tile");
+  const int64_t done = tile - depth;
+  LOGITSERVE_RETURN_IF_ERROR(
+      WaitFor(rank_.tile_done[static_cast<size_t>(done % kTileEvents)].get(), "row tile"));
+  // Its outputs are in host_io (CopyTileOutputs): into the result now, on this thread, so that
+  // Finish has only the last `depth` tiles left. (A job that fails after this discards them.)
+  if (copiers_) {
+    // The copier threads copy it; this thread only keeps the event ring from lapping their
+    // poller (EndTile(tile) re-records the event of tile - kTileEvents <= done).
+    (void)SpinUntil([&] { return arrived_.load(std::memory_order_acquire) > done; }, stop_copies_);
+  } else if (reports_ && copied_ == done) {
+    for (const HostCopy& c : TileHostCopies(done)) std::memcpy(c.dst, c.src, c.bytes);
+    copied_ = done + 1;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status RankWorker::Exchange(TileExchange what) {
@@ -521,7 +570,7 @@ absl::Status RankWorker::Exchange(TileExchange what) {
   // the GPU for gathers that never come).
   if (fault_ == TestFault::kSkipCollective && gathers_++ > 0) return absl::OkStatus();
   if (what == TileExchange::kStatistics) {
-    return rank_.comm->AllGather(send_, recv_, plan_.msg.bytes);
+    return rank_.comm->AllGather(send_[static_cast<size_t>(slot_)], recv_, plan_.msg.bytes);
   }
   return rank_.comm->AllGather(
       partial_send_, partial_recv_,
@@ -533,6 +582,34 @@ absl::Status RankWorker::EndTile(int64_t tile) {
   if (tile == 0) {
     LOGITSERVE_RETURN_IF_ERROR(InjectFault());
   }
+  const bool last = tile + 1 == num_tiles_;
+  if (pipelined() && !last) {  // the statistics of tile + 2 (staging: tile + 1) wait for it
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaEventRecord(rank_.message_free[static_cast<size_t>(slot_)].get(), stream()));
+  }
+  if (last) {
+    // The last tile's event must cover all of the job's work. Logits mode's statistics streams
+    // are joined already (each one's last work is a tile's statistics, which that tile's tail
+    // waited for), and so are the set-up copies on gemm_stream (IssueUploads); hidden mode's
+    // GEMMs are joined here. The earlier tiles' output copies are joined too: the last tile's
+    // copies, on `stream`, must follow them (CopyTileOutputs: a merged copy may span its rows).
+    auto join = [&](const CudaStream& side, const CudaEvent& e) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(e.get(), side.get()));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), e.get(), 0));
+      return absl::OkStatus();
+    };
+    if (!pipelined()) {
+      LOGITSERVE_RETURN_IF_ERROR(join(rank_.gemm_stream, rank_.gemm_idle));
+    }
+    if (reports_ && num_tiles_ > 1) {
+      LOGITSERVE_RETURN_IF_ERROR(join(rank_.copy_stream, rank_.side_idle[2]));
+    }
+  }
+  if (reports_) {
+    LOGITSERVE_RETURN_IF_ERROR(CopyTileOutputs(tile));
+    recorded_.store(tile + 1, std::memory_order_release);  // the copier threads may wait for it
+    return absl::OkStatus();
+  }
   return CudaStatus(
       cudaEventRecord(rank_.tile_done[static_cast<size_t>(tile % kTileEvents)].get(), stream()),
       "cudaEventRecord", __FILE__, __LINE__);
@@ -540,68 +617,6 @@ absl::Status RankWorker::EndTile(int64_t tile) {
 
 void RankWorker::OnFailure(const absl::Status& status) {
   if (IsFatalDeviceError(status)) fatal_.Fail(status);
-}
-
-absl::Status RankWorker::Finish(bool copy, ScoreResult* result, int32_t* first_bad) {
-  DeviceGuard guard(rank_.device);
-  LOGITSERVE_RETURN_IF_ERROR(guard.status());
-  LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
-  // Work still queued reads the request's memory and this rank's workspace: it must be done
-  // before Score returns. The reporting rank's output copies go to pinned memory (asynchronous,
-  // queued behind that work), so one wait after them covers both; every other rank waits here.
-  if (!(copy && reports_)) {
-    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
-  }
-  if (copy && reports_) {
-    uint8_t* io = rank_.host_io.data() + io_outputs_at_;
-    const std::pair<void*, size_t> dst[] = {
-        {result->target_logprobs.data(), result->target_logprobs.size() * sizeof(float)},
-        {result->top_k_ids.data(), result->top_k_ids.size() * sizeof(int32_t)},
-        {result->top_k_logprobs.data(), result->top_k_logprobs.size() * sizeof(float)},
-        {result->entropy.data(), result->entropy.size() * sizeof(float)},
-        {result->reference_entropy.data(), result->reference_entropy.size() * sizeof(float)},
-        {result->forward_kl.data(), result->forward_kl.size() * sizeof(float)},
-        {result->reverse_kl.data(), result->reverse_kl.size() * sizeof(float)},
-        {result->jsd.data(), result->jsd.size() * sizeof(float)}};
-    std::vector<HostCopy> copies;
-    for (size_t i = 0; i < out_bytes_.size(); ++i) {
-      if (out_bytes_[i] == 0) continue;
-      if (dst[i].second != out_bytes_[i]) {  // StartResult sized every requested output
-        return absl::InternalError(absl::StrCat("output ", i, " has ", dst[i].second,
-                                                " bytes, the job computed ", out_bytes_[i]));
-      }
-      copies.push_back({dst[i].first, io + out_at_[i], out_bytes_[i]});
-    }
-    // The output block into its pinned staging (see Prepare) in one asynchronous copy per host
-    // thread's piece, each followed by its event; thread i waits for piece i only, so the PCIe
-    // copy of later pieces overlaps the host copies of earlier ones. Piece 0 also brings the
-    // bad-row markers at the start of the block; the last event follows everything queued.
-    const SplitCopy split(std::move(copies));
-    LOGITSERVE_RETURN_IF_ERROR(JoinGemmStream());
-    size_t from = 0;  // offsets in the output block and its staging alike
-    for (size_t i = 0; i < split.threads(); ++i) {
-      const size_t end = i + 1 == split.threads() ? out_block_bytes_ : split.PieceEnd(i, io);
-      if (end > from) {
-        LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(io + from, out_block_ + from, end - from,
-                                                        cudaMemcpyDeviceToHost, stream()));
-        from = end;
-      }
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.output_pieces[i].get(), stream()));
-    }
-    std::vector<absl::Status> waited(split.threads());
-    auto run = [&](size_t i) {
-      waited[i] = WaitFor(rank_.output_pieces[i].get(), "output copy");
-      if (waited[i].ok()) split.Run(i);
-    };
-    std::vector<std::thread> threads;
-    for (size_t i = 1; i < split.threads(); ++i) threads.emplace_back(run, i);
-    run(0);
-    for (std::thread& t : threads) t.join();
-    for (absl::Status& w : waited) LOGITSERVE_RETURN_IF_ERROR(w);
-    std::memcpy(first_bad, io, 2 * sizeof(int32_t));
-  }
-  if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();
-  return absl::OkStatus();
 }
 
 // ---- The backend -----------------------------------------------------------------------------

@@ -1,10 +1,19 @@
 // RankWorker: one rank's part of one CudaBackend job, on that rank's host thread: prepare (the
 // job's workspace, target ids), then every row tile through the shared tile loop
 // (server/backend/sharded_job.h: stop check -> statistics of the shard's blocks, hidden mode
-// behind the GEMMs -> all-gather -> fold -> optional JSD pass), then finish (wait idle, rank 0
-// copies the outputs). Created per job by CudaBackend::Score, one per rank. The ShardedRank hooks
-// only queue work on the rank's streams; WaitTile / EndTile keep at most kTileEvents tiles queued
-// ahead of the host.
+// behind the GEMMs -> all-gather -> fold -> optional JSD pass -> the tile's outputs back to pinned
+// host memory), then finish (wait idle, rank 0 copies the outputs into the result as each tile's
+// arrive). Created per job by CudaBackend::Score, one per rank. The ShardedRank hooks only queue
+// work on the rank's streams; WaitTile / EndTile keep at most kTileEvents tiles queued ahead of
+// the host.
+//
+// Logits mode runs the tiles as a software pipeline (Rank's stats_streams): tile t's statistics
+// (message slot t % 2, lane maxima t % 2) on stats_streams[t % 2], its tail on `stream`, its
+// output slices on copy_stream, joined by events only: the host never waits for a tile to queue
+// the next. What the tail of tile t reads and the statistics of tile t + 1 would overwrite is
+// double-buffered (the message, the lane maxima); what only the tail touches (gathered messages,
+// folded rows, JSD partials) is single, the tail being one stream in tile order; the staging of
+// copied logits is single too, its next copy waiting for the previous tail.
 //
 // Thread safety: one thread per worker; workers of one job meet only through JobFailure, the
 // communicator and the shared read-only JobPlan.
@@ -12,14 +21,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cuda_kernels.h"
@@ -57,10 +71,37 @@ inline bool IsPageable(const void* p) {
   return attr.type == cudaMemoryTypeUnregistered;
 }
 
+// Spins (yielding) until done() or `stop`; after 2 ms, naps 50 us between checks (as PollUntil).
+// Returns done().
+inline bool SpinUntil(absl::FunctionRef<bool()> done, const std::atomic<bool>& stop) {
+  const absl::Time start = absl::Now();
+  while (!done()) {
+    if (stop.load(std::memory_order_acquire)) return false;
+    if (absl::Now() - start < absl::Milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      absl::SleepFor(absl::Microseconds(50));
+    }
+  }
+  return true;
+}
+
+// Host threads of the output copy-back at most: half the cores, at most kOutputThreads.
+inline size_t MaxCopyThreads() {
+  return std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kOutputThreads);
+}
+
+// A copy of `bytes` bytes from src to dst (host memory).
+struct HostCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
 class RankWorker final : public ShardedRank {
  public:
   RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure, FatalState& fatal,
-             absl::Duration timeout, int64_t test_fail_step, TestFault fault)
+             absl::Duration timeout, int64_t test_fail_step, TestFault fault, ScoreResult* result)
       : rank_(rank),
         plan_(plan),
         job_(*plan.job),
@@ -73,19 +114,24 @@ class RankWorker final : public ShardedRank {
         fatal_(fatal),
         timeout_(timeout),
         test_fail_step_(test_fail_step),
-        fault_(fault.rank == rank.index ? fault.kind : TestFault::kNone) {}
+        fault_(fault.rank == rank.index ? fault.kind : TestFault::kNone),
+        num_tiles_(CeilDiv(plan.job->rows, plan.tile_rows)),
+        result_(result) {}
 
-  // Allocates the job's workspace and uploads the target ids. No collectives.
+  // Allocates the job's workspace and uploads the target ids. No collectives. `result` (the
+  // constructor's) has every requested output sized (StartResult).
   absl::Status Prepare();
   // Every tile: RunShardedJob over this worker's hooks (below). Before each collective the ranks
   // agree (JobFailure) whether any of them failed; if so, all return there (the failing rank its
   // own status, the others PeerFailed). A stop (job.CheckStop(), before every tile) is such a
   // failure.
   absl::Status Run();
-  // Every rank waits (watchdog) until its stream is idle, so nothing queued outlives the job;
-  // then, when `copy` (the job succeeded), rank 0 copies the outputs into `result` and the
-  // bad-row markers into first_bad. Every rank checks NCCL.
-  absl::Status Finish(bool copy, ScoreResult* result, int32_t* first_bad);
+  // Every rank waits (watchdog) until its streams are idle, so nothing queued outlives the job;
+  // then, when `copy` (the job succeeded), rank 0 copies the outputs not yet copied into the
+  // result and the bad-row markers into first_bad. Every rank checks NCCL.
+  absl::Status Finish(bool copy, int32_t* first_bad);
+  // Joins the copier threads if Finish did not (it always runs after Prepare).
+  ~RankWorker() override;
 
  private:
   struct Dist {
@@ -111,13 +157,38 @@ class RankWorker final : public ShardedRank {
   void SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                  std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets);
   absl::Status IssueUploads();
-  absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows);
+  // The tile's input copies: logits staging on `logits_stream`, hidden rows on gemm_stream.
+  absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows, cudaStream_t logits_stream);
+  absl::Status ComputeHiddenTile(int64_t row0, int64_t rows);
+  absl::Status ComputeLogitsTile(int64_t row0, int64_t rows);
+  // Reporting rank: tile t's output slices from the device block to host_io on copy_stream, then
+  // tile_done; the last tile also brings the bad-row markers.
+  absl::Status CopyTileOutputs(int64_t tile);
+  // Reporting rank: the host copies of tile t's output slices, host_io -> result.
+  std::vector<HostCopy> TileHostCopies(int64_t tile) const;
+  int64_t TileRows(int64_t tile) const {
+    return std::min(plan_.tile_rows, job_.rows - tile * plan_.tile_rows);
+  }
+  // Reporting rank, large outputs, CudaBackendOptions::copy_outputs_as_tiles_arrive: host threads
+  // (the rank's CopyPool) that copy each tile's outputs into the result as soon as the tile's
+  // copy-back arrives, while this thread still queues later tiles (Run starts them). Thread 0 alone
+  // polls the tiles' events (one thread in the driver beside the queueing one) and publishes
+  // progress in arrived_; every thread copies its share of each tile.
+  void StartCopiers();
+  void CopierLoop(size_t i, size_t n);
+  // Stops and joins them; returns the first failure of their waits.
+  absl::Status JoinCopiers(bool stop);
+  // Tiles the host may queue ahead of the GPU (WaitTile).
+  int64_t Depth() const;
+  bool pipelined() const { return !plan_.any_hidden; }
+  uint8_t* Gathered() const { return num_ranks_ > 1 ? recv_ : send_[slot_]; }
   // The source for chunk c; hidden mode reads logits slot `slot` and runs its GEMMs into it first
   // (on gemm_stream) when `compute`.
   absl::StatusOr<kc::LogitsSource> Source(Dist& d, int64_t c, int64_t row0, bool compute,
                                           int64_t slot);
   // ShardedRank: the tile loop's hooks, called by RunShardedJob in Run.
-  // Waits (watchdog) for tile - depth: at most `depth` tiles queued ahead of the host.
+  // Waits (watchdog) for tile - depth: at most `depth` tiles queued ahead of the host; the
+  // reporting rank then copies that tile's outputs into the result.
   absl::Status WaitTile(int64_t tile) override;
   absl::Status ComputeTile(int64_t row0, int64_t rows) override;
   // One all-gather on the rank's communicator; nothing on one rank (FoldTile reads the send
@@ -137,8 +208,6 @@ class RankWorker final : public ShardedRank {
   // another rank abandons the wait).
   absl::Status WaitFor(cudaEvent_t event, const char* what);
   absl::Status WaitIdle(const char* what);
-  // Makes `stream` wait for everything queued on gemm_stream so far.
-  absl::Status JoinGemmStream();
   // CudaBackendOptions::test_fault on this rank, at the end of the job's first tile.
   absl::Status InjectFault();
   cudaStream_t stream() const { return rank_.stream.get(); }
@@ -161,12 +230,23 @@ class RankWorker final : public ShardedRank {
   const TestFault::Kind fault_;   // CudaBackendOptions::test_fault when it names this rank
   int64_t chunk_seq_ = 0;         // hidden mode: chunks computed so far in this job (all tiles)
   int64_t gathers_ = 0;  // all-gathers issued so far in this job (the skip-collective fault)
+  const int64_t num_tiles_;
+  ScoreResult* const result_;
+  int64_t copied_ = 0;  // reporting rank: tiles [0, copied_) are in result_
+  // The copier threads (StartCopiers): tiles whose copy-back is queued (EndTile), tiles whose
+  // copy-back has arrived (thread 0), a request to stop, and each thread's status.
+  bool copiers_ = false;  // running on rank_.copy_pool
+  std::atomic<int64_t> recorded_{0};
+  std::atomic<int64_t> arrived_{0};
+  std::atomic<bool> stop_copies_{false};
+  std::vector<absl::Status> copier_status_;
+  int slot_ = 0;  // the current tile's message slot (logits mode: tile % 2; hidden mode: 0)
 
   Dist model_, ref_;
-  uint8_t* send_ = nullptr;
-  uint8_t* recv_ = nullptr;
+  std::array<uint8_t*, 2> send_{};  // this rank's message, per slot
+  uint8_t* recv_ = nullptr;         // every rank's message (more than one rank)
   float* partial_send_ = nullptr;
-  float* topk_scratch_ = nullptr;  // the top-k kernels' lane maxima of one source
+  std::array<float*, 2> topk_scratch_{};  // the top-k kernels' lane maxima of one source, per slot
   float* partial_recv_ = nullptr;
   k::RowStats* folded_a_ = nullptr;
   k::RowStats* folded_b_ = nullptr;
@@ -179,7 +259,8 @@ class RankWorker final : public ShardedRank {
   size_t out_block_bytes_ = 0;
   std::array<size_t, 8> out_bytes_{};
   std::array<size_t, 8> out_at_{};
-  size_t io_outputs_at_ = 0;  // where the output block's staging starts in rank_.host_io
+  std::array<void*, 8> out_dst_{};  // where output i goes in result_
+  size_t io_outputs_at_ = 0;        // where the output block's staging starts in rank_.host_io
   bool uploads_pending_ = false;
   kc::RowOutputs outputs_;
 };

@@ -95,6 +95,19 @@ cudaError_t LaunchBlockStatsTopK(const LogitsSource& a, const LogitsSource* b, i
                                  int32_t k, TopKEntry* lists, int32_t* counts, float* scratch,
                                  cudaStream_t stream);
 
+// LaunchBlockStatsTopK in its two halves, for a caller that runs them on different streams (the
+// CUDA backend's row-tile pipeline: the second half of tile t runs while the first half of tile
+// t + 1 reads the logits). LaunchTopKLaneMax writes the statistics (when `stats` is not null; of
+// the pair when b is not null) and the lane maxima of `a` into `scratch`; LaunchTopKSelect, queued
+// after it (and after counts are set as for LaunchTopKUpdate), reads `scratch` and `a` again and
+// updates the lists. Together they give LaunchBlockStatsTopK's results, bit for bit (they are its
+// body). `scratch` must stay untouched between the two.
+cudaError_t LaunchTopKLaneMax(const LogitsSource& a, const LogitsSource* b, int64_t rows,
+                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
+                              int32_t k, float* scratch, cudaStream_t stream);
+cudaError_t LaunchTopKSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,
+                             int32_t* counts, const float* scratch, cudaStream_t stream);
+
 // What one rank contributes per row tile (tile_message.h, shared with the CPU backend).
 using ::logitserve::kernels::MakeTileMessage;
 using ::logitserve::kernels::TileMessage;

@@ -1,0 +1,228 @@
+// RankWorker's output copy-back (see rank_worker.h): each tile's output slices from the device to
+// pinned host memory as the tile finishes (CopyTileOutputs, from EndTile), and from there into the
+// result on the host (WaitTile for early tiles, Finish for the rest, on several threads when
+// large). A second file of rank_worker.cc's class, which would otherwise pass 700 lines.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "server/backend/cuda/cuda_status.h"
+#include "server/backend/cuda/rank_worker.h"
+
+namespace logitserve::cuda_internal {
+
+namespace {
+
+// The host side of the output copy-back, split over threads when large: one core copies ~10 GB/s,
+// so the 4 MB of a top-k = 64 output for 8192 rows took as long on one as the top-k kernels
+// (64 MB for k = 1024: ten times longer). Thread i of n copies bytes [i * share, (i + 1) * share)
+// of the concatenated copies.
+class SplitCopy {
+ public:
+  SplitCopy(std::vector<HostCopy> copies, size_t n) : copies_(std::move(copies)), n_(n) {
+    size_t total = 0;
+    for (const HostCopy& c : copies_) total += c.bytes;
+    share_ = (total + n_ - 1) / n_;
+  }
+  void Run(size_t i) const {
+    const size_t begin = i * share_, end = begin + share_;
+    size_t at = 0;
+    for (const HostCopy& c : copies_) {
+      const size_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
+      if (lo < hi) {
+        std::memcpy(static_cast<uint8_t*>(c.dst) + (lo - at),
+                    static_cast<const uint8_t*>(c.src) + (lo - at), hi - lo);
+      }
+      at += c.bytes;
+    }
+  }
+
+ private:
+  std::vector<HostCopy> copies_;
+  size_t n_ = 1;
+  size_t share_ = 0;
+};
+
+// Host threads for `bytes` of output copies: one per 512 KB, at most half the cores and
+// kOutputThreads.
+size_t CopyThreads(size_t bytes) {
+  constexpr size_t kPerThread = size_t{512} << 10;
+  return std::clamp<size_t>((bytes + kPerThread - 1) / kPerThread, 1, MaxCopyThreads());
+}
+
+// Outputs from this size on are copied by threads that start with the job (StartCopiers); the
+// copies of smaller ones cost less than starting a thread.
+constexpr size_t kEarlyCopyBytes = size_t{1} << 20;
+
+}  // namespace
+
+RankWorker::~RankWorker() { (void)JoinCopiers(/*stop=*/true); }
+
+void RankWorker::StartCopiers() {
+  size_t total = 0;
+  for (size_t b : out_bytes_) total += b;
+  if (!reports_ || !plan_.early_copies || total < kEarlyCopyBytes || rank_.copy_pool == nullptr) {
+    return;
+  }
+  const size_t n = std::min(CopyThreads(total), rank_.copy_pool->size());
+  copier_status_.assign(n, absl::OkStatus());
+  copiers_ = true;
+  rank_.copy_pool->Start(n, [this, n](size_t i) { CopierLoop(i, n); });
+}
+
+void RankWorker::CopierLoop(size_t i, size_t n) {
+  if (i == 0) {
+    // Events are queried on the rank's device.
+    if (cudaError_t e = cudaSetDevice(rank_.device); e != cudaSuccess) {
+      copier_status_[0] = CudaStatus(e, "cudaSetDevice", __FILE__, __LINE__);
+      stop_copies_.store(true, std::memory_order_release);
+      return;
+    }
+  }
+  for (int64_t t = 0; t < num_tiles_; ++t) {
+    if (i == 0) {
+      // The tile's event is recorded for this job only once EndTile has queued its copy-back.
+      if (!SpinUntil([&] { return recorded_.load(std::memory_order_acquire) > t; }, stop_copies_)) {
+        return;
+      }
+      absl::Status s =
+          WaitFor(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), "output copy");
+      if (!s.ok()) {
+        copier_status_[0] = std::move(s);
+        stop_copies_.store(true, std::memory_order_release);
+        return;
+      }
+      arrived_.store(t + 1, std::memory_order_release);
+    } else if (!SpinUntil([&] { return arrived_.load(std::memory_order_acquire) > t; },
+                          stop_copies_)) {
+      return;
+    }
+    SplitCopy(TileHostCopies(t), n).Run(i);
+  }
+}
+
+absl::Status RankWorker::JoinCopiers(bool stop) {
+  if (!copiers_) return absl::OkStatus();
+  if (stop) stop_copies_.store(true, std::memory_order_release);
+  rank_.copy_pool->Wait();
+  copiers_ = false;
+  for (const absl::Status& s : copier_status_) LOGITSERVE_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+std::vector<HostCopy> RankWorker::TileHostCopies(int64_t tile) const {
+  std::vector<HostCopy> copies;
+  const size_t n = static_cast<size_t>(job_.rows);
+  const size_t row0 = static_cast<size_t>(tile * plan_.tile_rows);
+  const size_t rows = static_cast<size_t>(TileRows(tile));
+  const uint8_t* io = rank_.host_io.data() + io_outputs_at_;
+  for (size_t i = 0; i < out_bytes_.size(); ++i) {
+    if (out_bytes_[i] == 0) continue;
+    const size_t per_row = out_bytes_[i] / n;  // every output is [n][per-row entries]
+    copies.push_back({static_cast<uint8_t*>(out_dst_[i]) + row0 * per_row,
+                      io + out_at_[i] + row0 * per_row, rows * per_row});
+  }
+  return copies;
+}
+
+absl::Status RankWorker::CopyTileOutputs(int64_t tile) {
+  const bool last = tile + 1 == num_tiles_;
+  // Earlier tiles on copy_stream, behind the tile's outputs (an event): their copies overlap the
+  // next tiles' work. The last tile's copies are the end of the job: straight on `stream`, one
+  // cross-stream hop less.
+  const cudaStream_t copy = last ? stream() : rank_.copy_stream.get();
+  if (!last) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.outputs_ready.get(), stream()));
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(copy, rank_.outputs_ready.get(), 0));
+  }
+  // The tile's slice of each output (offsets in the device block and in its staging alike), and
+  // for the last tile the bad-row markers (every fold has run), in increasing order.
+  std::vector<std::pair<size_t, size_t>> ranges;  // [begin, end)
+  if (last) ranges.emplace_back(0, 2 * sizeof(int32_t));
+  const size_t n = static_cast<size_t>(job_.rows);
+  const size_t row0 = static_cast<size_t>(tile * plan_.tile_rows);
+  const size_t rows = static_cast<size_t>(TileRows(tile));
+  for (size_t i = 0; i < out_bytes_.size(); ++i) {
+    if (out_bytes_[i] == 0) continue;
+    const size_t per_row = out_bytes_[i] / n;
+    ranges.emplace_back(out_at_[i] + row0 * per_row, out_at_[i] + (row0 + rows) * per_row);
+  }
+  // Ranges less than kMergeGap apart go in one copy: a copy costs a few us of latency, a 64 KB
+  // gap about 1.3 us of PCIe time (the last tile of a logprobs job: markers and slice in one).
+  // The gap's bytes are other tiles' rows: earlier ones final (rewritten with the same values),
+  // later ones not yet, and rewritten by their own tile's copy, which runs after this one (one
+  // copy stream; the last tile's copies wait for it, EndTile). The host reads a tile's rows only
+  // after that tile's event.
+  constexpr size_t kMergeGap = size_t{64} << 10;
+  uint8_t* io = rank_.host_io.data() + io_outputs_at_;
+  for (size_t i = 0; i < ranges.size();) {
+    size_t end = ranges[i].second, j = i + 1;
+    while (j < ranges.size() && ranges[j].first - end <= kMergeGap) end = ranges[j++].second;
+    const size_t at = ranges[i].first;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(io + at, out_block_ + at, end - at, cudaMemcpyDeviceToHost, copy));
+    i = j;
+  }
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cudaEventRecord(rank_.tile_done[static_cast<size_t>(tile % kTileEvents)].get(), copy));
+  return absl::OkStatus();
+}
+absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
+  DeviceGuard guard(rank_.device);
+  LOGITSERVE_RETURN_IF_ERROR(guard.status());
+  LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
+  // Work still queued reads the request's memory and this rank's workspace: it must be done
+  // before Score returns. On the reporting rank after a successful job, the last tile's event
+  // covers all of it (EndTile); every other rank waits here.
+  if (!(copy && reports_)) {
+    stop_copies_.store(true, std::memory_order_release);
+    const absl::Status idle = WaitIdle("job end");
+    const absl::Status copiers = JoinCopiers(/*stop=*/true);
+    LOGITSERVE_RETURN_IF_ERROR(idle);
+    LOGITSERVE_RETURN_IF_ERROR(copiers);
+  } else if (copiers_) {
+    // The copier threads have every tile (the last one's event covers the whole job).
+    LOGITSERVE_RETURN_IF_ERROR(JoinCopiers(/*stop=*/false));
+    copied_ = num_tiles_;
+    std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
+  } else {
+    // The tiles WaitTile has not copied: each tile's slices split over the threads, every thread
+    // going through the tiles in order and waiting for each one's event only, so the host copies
+    // of early tiles overlap the computation and the device-to-host copies of later ones.
+    std::vector<std::vector<HostCopy>> tiles;
+    size_t total = 0;
+    for (int64_t t = copied_; t < num_tiles_; ++t) {
+      tiles.push_back(TileHostCopies(t));
+      for (const HostCopy& c : tiles.back()) total += c.bytes;
+    }
+    const size_t n = CopyThreads(total);
+    std::vector<SplitCopy> splits;
+    for (auto& copies : tiles) splits.emplace_back(std::move(copies), n);
+    std::vector<absl::Status> waited(n);
+    auto run = [&](size_t i) {
+      for (size_t j = 0; j < splits.size() && waited[i].ok(); ++j) {
+        const int64_t t = copied_ + static_cast<int64_t>(j);
+        waited[i] =
+            WaitFor(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), "output copy");
+        if (waited[i].ok()) splits[j].Run(i);
+      }
+    };
+    if (n > 1 && rank_.copy_pool != nullptr && rank_.copy_pool->size() >= n) {
+      rank_.copy_pool->Start(n, run);
+      rank_.copy_pool->Wait();
+    } else {
+      for (size_t i = 0; i < n; ++i) run(i);
+    }
+    for (absl::Status& w : waited) LOGITSERVE_RETURN_IF_ERROR(w);
+    copied_ = num_tiles_;
+    std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
+  }
+  if (rank_.nccl != nullptr) return rank_.nccl->AsyncError();
+  return absl::OkStatus();
+}
+
+}  // namespace logitserve::cuda_internal
