@@ -25,7 +25,8 @@
 // CPU time (noise-robust beside wall times on a shared machine): with --server-pid (the server
 // on this host), the server's CPU ms per request (user + system, /proc/PID/stat) of the single
 // pipelined, the unsplit and the shared-memory request; the bytes' cost on the server is
-// srv_piped - srv_shm (same compute, no tensor bytes). cli_piped: this process's CPU ms per
+// srv_piped - srv_shm (same compute, no tensor bytes). cli_shm: this process's CPU ms per
+// shared-memory request. cli_piped: this process's CPU ms per
 // pipelined request (getrusage).
 // Correctness: every response must hold N log-probs and N entropies, and the pipelined and
 // shared-memory results must equal the unsplit one bit for bit; mismatches count as `wrong`
@@ -56,6 +57,7 @@
 #include "client/client.h"
 #include "client/shm.h"
 #include "client/tensor.h"
+#include "common/base/fast_mutexes.h"
 #include "common/base/large_allocations.h"
 #include "logitserve/kernels/dtype.h"
 #include "nlohmann/json.hpp"
@@ -132,6 +134,7 @@ v1::ScoreRequest BaseRequest(const std::string& head) {
 
 int main(int argc, char** argv) {
   logitserve::KeepLargeAllocations();
+  logitserve::UseFastMutexes();  // as the server does: the client's locks cost what they would
   CLI::App app{"logitserve end to end: compute-only vs client rates, pipelining, shared memory"};
   std::string target = "127.0.0.1:50051", head = "policy", json_path, token;
   std::vector<int64_t> rows_list = {64, 256, 1024, 4096, 8192};
@@ -238,10 +241,10 @@ int main(int argc, char** argv) {
       piped_options.pipeline_depth, piped_options.pipeline_streams, iters, rate_seconds);
   std::printf(
       "%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %8s %9s %7s %6s %10s %9s %9s "
-      "%9s\n",
+      "%9s %8s\n",
       "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
       "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "shm_cmp", "shm_fixed", "rtt_ms",
-      "wrong", "srv_unpiped", "srv_piped", "srv_shm", "cli_piped");
+      "wrong", "srv_unpiped", "srv_piped", "srv_shm", "cli_piped", "cli_shm");
   nlohmann::json results = nlohmann::json::array();
   int64_t total_wrong = 0;
   for (int64_t rows : rows_list) {
@@ -278,7 +281,7 @@ int main(int argc, char** argv) {
     // the same server over the same connection, through the same kind of blocking call.
     std::vector<double> rtt_ms;
     // CPU ms per request of the server (srv_*) and of this process (cli_piped); -1 = not measured.
-    double srv_unpiped = -1, srv_piped = -1, srv_shm = -1, cli_piped = -1;
+    double srv_unpiped = -1, srv_piped = -1, srv_shm = -1, cli_piped = -1, cli_shm = -1;
     auto cpu_per_request = [&](int pid, double start) {
       return pid < 0 ? -1.0 : (CpuMs(pid) - start) / iters;
     };
@@ -356,6 +359,7 @@ int main(int argc, char** argv) {
           if (i >= 0) rtt_ms.push_back(MsSince(t0));
         }
         srv0 = srv > 0 ? CpuMs(srv) : 0;
+        const double cli_shm0 = CpuMs(0);
         for (int i = 0; i < iters; ++i) {
           const Clock::time_point t0 = Clock::now();
           absl::StatusOr<lc::ScoreOutput> out = (*unpiped)->Score(by_shm);
@@ -367,6 +371,7 @@ int main(int argc, char** argv) {
           if (reference.ok() && !SameBits(out->entropy, reference->entropy)) ++wrong;
         }
         srv_shm = cpu_per_request(srv, srv0);
+        cli_shm = cpu_per_request(0, cli_shm0);
         if (!(*unpiped)->UnregisterSharedMemory(name).ok()) ++wrong;
       }
     }
@@ -401,11 +406,11 @@ int main(int argc, char** argv) {
     const double single_ratio = s_ms / std::max(c_ms, x_ms);
     std::printf(
         "%6lld %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11.3f %7.3f %8.3f %7.3f %8.3f "
-        "%9.3f %7.3f %6lld %11.1f %9.1f %9.1f %9.1f\n",
+        "%9.3f %7.3f %6lld %11.1f %9.1f %9.1f %9.1f %8.3f\n",
         static_cast<long long>(rows), mib, c_ms, compute_rate, e2e_rate, threads,
         e2e_rate / compute_rate, s_ms, u_ms, x_ms, single_ratio, m_ms, no_shm ? 0.0 : m_ms / c_ms,
         mc_ms, mf_ms, rtt, static_cast<long long>(wrong.load()), srv_unpiped, srv_piped, srv_shm,
-        cli_piped);
+        cli_piped, cli_shm);
     std::fflush(stdout);
     results.push_back(
         {{"rows", rows},
@@ -428,7 +433,8 @@ int main(int argc, char** argv) {
          {"server_cpu_ms_unpipelined", srv_unpiped},
          {"server_cpu_ms_pipelined", srv_piped},
          {"server_cpu_ms_shm", srv_shm},
-         {"client_cpu_ms_pipelined", cli_piped}});
+         {"client_cpu_ms_pipelined", cli_piped},
+         {"client_cpu_ms_shm", cli_shm}});
     total_wrong += wrong.load();
   }
   std::printf("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)\n");
