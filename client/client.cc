@@ -23,6 +23,15 @@ namespace {
 
 constexpr const char* kScoreMethod = "/logitserve.v1.Scorer/Score";
 
+// Whether any row tensor of `request` carries its values in the message (not in shared memory).
+bool CarriesTensorBytes(const v1::ScoreRequest& request) {
+  for (const v1::Tensor* t : {&request.hidden(), &request.logits(), &request.reference_hidden(),
+                              &request.reference_logits(), &request.target_ids()}) {
+    if (!t->data().empty()) return true;
+  }
+  return false;
+}
+
 int ToMillis(absl::Duration d) {
   return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, 1 << 30));
 }
@@ -265,7 +274,17 @@ absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& requ
   // The request's tensor bytes go out as slices of `request` itself (client/pipeline.h): the
   // generated stub would first serialize a copy of every hidden byte into fresh buffers, on the
   // call's critical path (measured: as much client CPU as the socket write itself).
-  const grpc::ByteBuffer body = RequestBytes(request, RequestWithoutRows(request));
+  // A request without tensor bytes (shared-memory inputs) is a few hundred bytes: it is
+  // serialized as is, skipping RequestWithoutRows' reflection walk and the slice assembly.
+  grpc::ByteBuffer body;
+  if (CarriesTensorBytes(request)) {
+    body = RequestBytes(request, RequestWithoutRows(request));
+  } else {
+    bool own = false;
+    const grpc::Status serialized =
+        grpc::SerializationTraits<v1::ScoreRequest>::Serialize(request, &body, &own);
+    if (!serialized.ok()) return FromGrpcStatus(serialized);
+  }
   v1::ScoreResponse response;
   const grpc::Status status = CallWithRetry([&](grpc::ClientContext& context) {
     // A completion queue of this call, polled by this thread (as the blocking stub does), so

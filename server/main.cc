@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/base/fast_mutexes.h"
 #include "common/base/large_allocations.h"
 #include "common/version/build_info.h"
 #include "server/server.h"
@@ -367,5 +368,7 @@ int main(int argc, char** argv) {
   // Request buffers of many MiB (hidden states) would otherwise be mmapped (or trimmed) and
   // faulted in again on every call (common/base/large_allocations.h).
   logitserve::KeepLargeAllocations();
+  // No debug lock-order check on every absl::Mutex operation (common/base/fast_mutexes.h).
+  logitserve::UseFastMutexes();
   return logitserve::Run(argc, argv);
 }
