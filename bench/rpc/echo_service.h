@@ -9,6 +9,7 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -57,6 +58,20 @@ class EchoService final : public grpc::CallbackGenericService {
 inline grpc::ByteBuffer BufferOf(const std::string& bytes) {
   grpc::Slice slice(bytes);
   return grpc::ByteBuffer(&slice, 1);
+}
+
+// `echo` served on an ephemeral loopback port without message size limits; *port is that port.
+// Null when the server cannot start.
+inline std::unique_ptr<grpc::Server> StartEchoServer(EchoService* echo, int* port) {
+  *port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterCallbackGenericService(echo);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (*port == 0) server.reset();
+  return server;
 }
 
 }  // namespace logitserve::bench

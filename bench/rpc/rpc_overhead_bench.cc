@@ -97,14 +97,9 @@ int main(int argc, char** argv) {
 
   // The in-process raw-transfer server.
   logitserve::bench::EchoService echo;
-  grpc::ServerBuilder builder;
   int echo_port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
-  builder.SetMaxReceiveMessageSize(-1);
-  builder.SetMaxSendMessageSize(-1);
-  builder.RegisterCallbackGenericService(&echo);
-  std::unique_ptr<grpc::Server> echo_server = builder.BuildAndStart();
-  if (echo_server == nullptr || echo_port == 0) {
+  std::unique_ptr<grpc::Server> echo_server = logitserve::bench::StartEchoServer(&echo, &echo_port);
+  if (echo_server == nullptr) {
     std::fprintf(stderr, "cannot start the echo server\n");
     return 1;
   }

@@ -215,14 +215,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> echo_server;
   std::unique_ptr<grpc::GenericStub> raw;
   if (!shm_only) {
-    grpc::ServerBuilder builder;
     int echo_port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
-    builder.SetMaxReceiveMessageSize(-1);
-    builder.SetMaxSendMessageSize(-1);
-    builder.RegisterCallbackGenericService(&echo);
-    echo_server = builder.BuildAndStart();
-    if (echo_server == nullptr || echo_port == 0) {
+    echo_server = logitserve::bench::StartEchoServer(&echo, &echo_port);
+    if (echo_server == nullptr) {
       std::fprintf(stderr, "cannot start the echo server\n");
       return 1;
     }
