@@ -309,9 +309,12 @@ void Server::StopServing() { StopServingAs(Metrics::Readiness::kDraining); }
 void Server::StopServingAs(Metrics::Readiness readiness) {
   if (serving_stopped_) return;
   serving_stopped_ = true;
+  // Refuse new work first, then announce it: a client that has seen NOT_SERVING (or a 503) and
+  // sends anyway must get UNAVAILABLE. In the other order a request sent on the announcement
+  // could still be admitted (LifecycleE2eTest saw it on a loaded 2-core machine).
+  service_->StartDraining();
   server_->GetHealthCheckService()->SetServingStatus(false);
   metrics_->SetReadiness(readiness);
-  service_->StartDraining();
 }
 
 void Server::ShutdownAfterFatalError() {

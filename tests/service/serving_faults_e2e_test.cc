@@ -330,8 +330,8 @@ TEST(LifecycleE2eTest, SigtermDrainsInFlightRefusesNewWorkAndExitsZero) {
   ASSERT_NO_FATAL_FAILURE(WaitForInFlight(*server, 1));
   ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
 
-  // The server announces NOT_SERVING before it refuses work; from then on new requests are
-  // refused, on the open connection and on a new one.
+  // The server refuses new work before it announces NOT_SERVING (Server::StopServingAs); from
+  // the announcement on, new requests are refused, on the open connection and on a new one.
   EXPECT_EQ(watch.Next(), HealthStatus::NOT_SERVING);
   watch.Cancel();  // an open Watch would hold the drain until its timeout
   {
