@@ -21,15 +21,15 @@ __device__ __forceinline__ uint32_t BadFlags(float m) {
 // The sums of one distribution's block, centred on its maximum m (finite): s = sum exp(dz),
 // w = sum exp(dz) dz with dz = max(z - m, kClampShift). Two accumulators a lane (even / odd e),
 // then the butterfly: the fixed order of lane_block.cuh.
-template <FloatType T>
-__device__ __forceinline__ void WarpBlockSums(const DeviceSource& src, const LaneBlock<T>& b,
-                                              float m, float* s_out, float* w_out) {
+template <FloatType T, bool kOn>
+__device__ __forceinline__ void WarpBlockSums(Temper<T, kOn> tp, const LaneBlock<T>& b, float m,
+                                              float* s_out, float* w_out) {
   float s[2] = {0.0f, 0.0f}, w[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float dz = fmaxf(Z(src, b, j, e) - m, kClampShift);
+      const float dz = fmaxf(Z(tp, b, j, e) - m, kClampShift);
       const float ex = ExpShift(dz);
       s[e & 1] += ex;
       w[e & 1] = fmaf(ex, dz, w[e & 1]);
@@ -46,13 +46,15 @@ __device__ __forceinline__ void SingleItem(const DeviceSource& a, int64_t row, i
                                            int64_t stats_ld, int64_t stats_offset) {
   const int64_t c0 = blk * kVocabBlock;
   TransformInPlace(a, c0, lane, va);
-  const float m = WarpMaxNaN(LaneMax(a, va));
   BlockStats out = EmptyBlockStats();
-  out.flags = BadFlags(m);
-  if (out.flags == 0 && m != NegInfF()) {  // uniform over the warp
-    WarpBlockSums(a, va, m, &out.s, &out.w);
-    out.m = m;
-  }
+  WithTemper<T>(a, [&](auto ta) {
+    const float m = WarpMaxNaN(LaneMax(ta, va));
+    out.flags = BadFlags(m);
+    if (out.flags == 0 && m != NegInfF()) {  // uniform over the warp
+      WarpBlockSums(ta, va, m, &out.s, &out.w);
+      out.m = m;
+    }
+  });
   if (lane == 0) {
     stats[row * stats_ld + stats_offset + blk] = PairBlockStats{out, EmptyBlockStats(), 0.0f, 0.0f};
   }
@@ -67,88 +69,90 @@ __device__ __forceinline__ void PairItem(const DeviceSource& a, const DeviceSour
   const int64_t c0 = blk * kVocabBlock;
   TransformInPlace(a, c0, lane, va);
   TransformInPlace(b, c0, lane, vb);
-  const float ma = WarpMaxNaN(LaneMax(a, va));
-  const float mb = WarpMaxNaN(LaneMax(b, vb));
   PairBlockStats out{EmptyBlockStats(), EmptyBlockStats(), 0.0f, 0.0f};
-  out.a.flags = BadFlags(ma);
-  out.b.flags = BadFlags(mb);
-  if (((out.a.flags | out.b.flags) & kBadInput) == 0) {  // uniform over the warp
-    const float ninf = NegInfF();
-    // A fully masked side has m = -inf; shifting by 0 instead keeps its values at -inf (masked).
-    const float sha = ma == ninf ? 0.0f : ma;
-    const float shb = mb == ninf ? 0.0f : mb;
-    // Per side the very sums of WarpBlockSums (same operations, same order): the model side of a
-    // pair job has the single job's bits.
-    float sa[2] = {0.0f, 0.0f}, wa[2] = {0.0f, 0.0f}, sb[2] = {0.0f, 0.0f}, wb[2] = {0.0f, 0.0f};
-    float cab[2] = {0.0f, 0.0f}, cba[2] = {0.0f, 0.0f};
-    bool a_only = false, b_only = false;
-    // Fast path: no token of the block is masked on either side (every shift finite, so no
-    // clamp can matter: a shift below kClampShift has exp = 0 and adds 0 * shift = -0 either way,
-    // and every token is live on both sides). The bits equal the general path's.
-    const float lo_a = WarpMin(LaneMin(a, va)) - sha;
-    const float lo_b = WarpMin(LaneMin(b, vb)) - shb;
-    if (lo_a > ninf && lo_b > ninf) {  // uniform over the warp
+  WithTempers<TA, TB>(a, b, [&](auto ta, auto tb) {
+    const float ma = WarpMaxNaN(LaneMax(ta, va));
+    const float mb = WarpMaxNaN(LaneMax(tb, vb));
+    out.a.flags = BadFlags(ma);
+    out.b.flags = BadFlags(mb);
+    if (((out.a.flags | out.b.flags) & kBadInput) == 0) {  // uniform over the warp
+      const float ninf = NegInfF();
+      // A fully masked side has m = -inf; shifting by 0 instead keeps its values at -inf (masked).
+      const float sha = ma == ninf ? 0.0f : ma;
+      const float shb = mb == ninf ? 0.0f : mb;
+      // Per side the very sums of WarpBlockSums (same operations, same order): the model side of a
+      // pair job has the single job's bits.
+      float sa[2] = {0.0f, 0.0f}, wa[2] = {0.0f, 0.0f}, sb[2] = {0.0f, 0.0f}, wb[2] = {0.0f, 0.0f};
+      float cab[2] = {0.0f, 0.0f}, cba[2] = {0.0f, 0.0f};
+      bool a_only = false, b_only = false;
+      // Fast path: no token of the block is masked on either side (every shift finite, so no
+      // clamp can matter: a shift below kClampShift has exp = 0 and adds 0 * shift = -0 either way,
+      // and every token is live on both sides). The bits equal the general path's.
+      const float lo_a = WarpMin(LaneMin(ta, va)) - sha;
+      const float lo_b = WarpMin(LaneMin(tb, vb)) - shb;
+      if (lo_a > ninf && lo_b > ninf) {  // uniform over the warp
 #pragma unroll
-      for (int j = 0; j < kLaneChunks; ++j) {
+        for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float da = Z(a, va, j, e) - sha;
-          const float db = Z(b, vb, j, e) - shb;
-          const float ea = ExpShift(da);
-          const float eb = ExpShift(db);
-          sa[e & 1] += ea;
-          wa[e & 1] = fmaf(ea, da, wa[e & 1]);
-          sb[e & 1] += eb;
-          wb[e & 1] = fmaf(eb, db, wb[e & 1]);
-          const float diff = da - db;
-          cab[e & 1] = fmaf(ea, diff, cab[e & 1]);
-          cba[e & 1] = fmaf(-eb, diff, cba[e & 1]);
+          for (int e = 0; e < 8; ++e) {
+            const float da = Z(ta, va, j, e) - sha;
+            const float db = Z(tb, vb, j, e) - shb;
+            const float ea = ExpShift(da);
+            const float eb = ExpShift(db);
+            sa[e & 1] += ea;
+            wa[e & 1] = fmaf(ea, da, wa[e & 1]);
+            sb[e & 1] += eb;
+            wb[e & 1] = fmaf(eb, db, wb[e & 1]);
+            const float diff = da - db;
+            cab[e & 1] = fmaf(ea, diff, cab[e & 1]);
+            cba[e & 1] = fmaf(-eb, diff, cba[e & 1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kLaneChunks; ++j) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float da = Z(ta, va, j, e) - sha;
+            const float db = Z(tb, vb, j, e) - shb;
+            const bool live_a = da > ninf;
+            const bool live_b = db > ninf;
+            a_only |= live_a && !live_b;
+            b_only |= live_b && !live_a;
+            const float dac = fmaxf(da, kClampShift);
+            const float dbc = fmaxf(db, kClampShift);
+            const float ea = ExpShift(dac);
+            const float eb = ExpShift(dbc);
+            sa[e & 1] += ea;
+            wa[e & 1] = fmaf(ea, dac, wa[e & 1]);
+            sb[e & 1] += eb;
+            wb[e & 1] = fmaf(eb, dbc, wb[e & 1]);
+            // Cross terms over tokens both sides support, with the unclamped shifts: a deep but
+            // finite logit (b - m_b = -300) is underflow, not masking, and its KL term grows with
+            // it. A token only one side supports raised a mismatch flag, which overrides that
+            // direction with +inf.
+            const float diff = (live_a && live_b) ? da - db : 0.0f;
+            cab[e & 1] = fmaf(ea, diff, cab[e & 1]);
+            cba[e & 1] = fmaf(-eb, diff, cba[e & 1]);
+          }
         }
       }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kLaneChunks; ++j) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float da = Z(a, va, j, e) - sha;
-          const float db = Z(b, vb, j, e) - shb;
-          const bool live_a = da > ninf;
-          const bool live_b = db > ninf;
-          a_only |= live_a && !live_b;
-          b_only |= live_b && !live_a;
-          const float dac = fmaxf(da, kClampShift);
-          const float dbc = fmaxf(db, kClampShift);
-          const float ea = ExpShift(dac);
-          const float eb = ExpShift(dbc);
-          sa[e & 1] += ea;
-          wa[e & 1] = fmaf(ea, dac, wa[e & 1]);
-          sb[e & 1] += eb;
-          wb[e & 1] = fmaf(eb, dbc, wb[e & 1]);
-          // Cross terms over tokens both sides support, with the unclamped shifts: a deep but
-          // finite logit (b - m_b = -300) is underflow, not masking, and its KL term grows with
-          // it. A token only one side supports raised a mismatch flag, which overrides that
-          // direction with +inf.
-          const float diff = (live_a && live_b) ? da - db : 0.0f;
-          cab[e & 1] = fmaf(ea, diff, cab[e & 1]);
-          cba[e & 1] = fmaf(-eb, diff, cba[e & 1]);
-        }
+      if (__any_sync(kFullMask, a_only)) out.a.flags |= kFlagASupportsBMasked;
+      if (__any_sync(kFullMask, b_only)) out.a.flags |= kFlagBSupportsAMasked;
+      if (ma != ninf) {
+        out.a.m = ma;
+        out.a.s = WarpSum(sa[0] + sa[1]);
+        out.a.w = WarpSum(wa[0] + wa[1]);
+        out.c_ab = WarpSum(cab[0] + cab[1]);
+      }
+      if (mb != ninf) {
+        out.b.m = mb;
+        out.b.s = WarpSum(sb[0] + sb[1]);
+        out.b.w = WarpSum(wb[0] + wb[1]);
+        out.c_ba = WarpSum(cba[0] + cba[1]);
       }
     }
-    if (__any_sync(kFullMask, a_only)) out.a.flags |= kFlagASupportsBMasked;
-    if (__any_sync(kFullMask, b_only)) out.a.flags |= kFlagBSupportsAMasked;
-    if (ma != ninf) {
-      out.a.m = ma;
-      out.a.s = WarpSum(sa[0] + sa[1]);
-      out.a.w = WarpSum(wa[0] + wa[1]);
-      out.c_ab = WarpSum(cab[0] + cab[1]);
-    }
-    if (mb != ninf) {
-      out.b.m = mb;
-      out.b.s = WarpSum(sb[0] + sb[1]);
-      out.b.w = WarpSum(wb[0] + wb[1]);
-      out.c_ba = WarpSum(cba[0] + cba[1]);
-    }
-  }
+  });
   if (lane == 0) stats[row * stats_ld + stats_offset + blk] = out;
 }
 

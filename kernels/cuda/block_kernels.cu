@@ -44,41 +44,43 @@ __device__ __forceinline__ void JsdItem(const DeviceSource& s, const DeviceSourc
   detail::TransformInPlace(t, c0, lane, zt);
   const float omb = 1.0f - beta;
   float acc_t[2] = {0.0f, 0.0f}, acc_s[2] = {0.0f, 0.0f};
-  // The loop, once per path (kClamped: some token is masked on a side, so log-probabilities are
-  // clamped and capped at 0 as LogProb does; otherwise every log-probability is finite and <= 0
-  // as computed, since z <= m and log s >= 0, and neither operation changes a bit). Nsight
-  // Compute (H200, bf16): the first version, with logf and the clamp on every value, issued 55
-  // instructions per value, its unrolled code missed the instruction cache and the kernel took
-  // 1.86 ms; this one issues about 21.
-  auto sum = [&](auto clamped) {
-    constexpr bool kClamped = decltype(clamped)::value;
+  detail::WithTempers<TS, TT>(s, t, [&](auto tps, auto tpt) {
+    // The loop, once per path (kClamped: some token is masked on a side, so log-probabilities are
+    // clamped and capped at 0 as LogProb does; otherwise every log-probability is finite and <= 0
+    // as computed, since z <= m and log s >= 0, and neither operation changes a bit). Nsight
+    // Compute (H200, bf16): the first version, with logf and the clamp on every value, issued 55
+    // instructions per value, its unrolled code missed the instruction cache and the kernel took
+    // 1.86 ms; this one issues about 21.
+    auto sum = [&](auto clamped) {
+      constexpr bool kClamped = decltype(clamped)::value;
 #pragma unroll
-    for (int j = 0; j < detail::kLaneChunks; ++j) {
+      for (int j = 0; j < detail::kLaneChunks; ++j) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float lps = (detail::Z(s, zs, j, e) - ns.m) - ns.log_s;  // as LogProb
-        float lpt = (detail::Z(t, zt, j, e) - nt.m) - nt.log_s;
-        if constexpr (kClamped) {
-          lps = fmaxf(lps, detail::kClampShift);
-          lpt = fmaxf(lpt, detail::kClampShift);
+        for (int e = 0; e < 8; ++e) {
+          float lps = (detail::Z(tps, zs, j, e) - ns.m) - ns.log_s;  // as LogProb
+          float lpt = (detail::Z(tpt, zt, j, e) - nt.m) - nt.log_s;
+          if constexpr (kClamped) {
+            lps = fmaxf(lps, detail::kClampShift);
+            lpt = fmaxf(lpt, detail::kClampShift);
+          }
+          const float ps = detail::ExpShift(kClamped ? fminf(lps, 0.0f) : lps);
+          const float pt = detail::ExpShift(kClamped ? fminf(lpt, 0.0f) : lpt);
+          const float mix = fmaxf(fmaf(beta, pt, omb * ps), FLT_MIN);
+          const float log_m = detail::LogApprox(mix);
+          acc_t[e & 1] = fmaf(pt, lpt - log_m, acc_t[e & 1]);
+          acc_s[e & 1] = fmaf(ps, lps - log_m, acc_s[e & 1]);
         }
-        const float ps = detail::ExpShift(kClamped ? fminf(lps, 0.0f) : lps);
-        const float pt = detail::ExpShift(kClamped ? fminf(lpt, 0.0f) : lpt);
-        const float mix = fmaxf(fmaf(beta, pt, omb * ps), FLT_MIN);
-        const float log_m = detail::LogApprox(mix);
-        acc_t[e & 1] = fmaf(pt, lpt - log_m, acc_t[e & 1]);
-        acc_s[e & 1] = fmaf(ps, lps - log_m, acc_s[e & 1]);
       }
+    };
+    // Fast path: no masked token on either side (uniform over the warp).
+    const float lo_s = (detail::WarpMin(detail::LaneMin(tps, zs)) - ns.m) - ns.log_s;
+    const float lo_t = (detail::WarpMin(detail::LaneMin(tpt, zt)) - nt.m) - nt.log_s;
+    if (lo_s > detail::NegInfF() && lo_t > detail::NegInfF()) {
+      sum(std::false_type{});
+    } else {
+      sum(std::true_type{});
     }
-  };
-  // Fast path: no masked token on either side (uniform over the warp).
-  const float lo_s = (detail::WarpMin(detail::LaneMin(s, zs)) - ns.m) - ns.log_s;
-  const float lo_t = (detail::WarpMin(detail::LaneMin(t, zt)) - nt.m) - nt.log_s;
-  if (lo_s > detail::NegInfF() && lo_t > detail::NegInfF()) {
-    sum(std::false_type{});
-  } else {
-    sum(std::true_type{});
-  }
+  });
   const float sum_t = detail::WarpSum(acc_t[0] + acc_t[1]);
   const float sum_s = detail::WarpSum(acc_s[0] + acc_s[1]);
   if (lane == 0) *out = beta * sum_t + omb * sum_s;
