@@ -48,6 +48,8 @@ constexpr int kMaxItems = 2048;
 // Blocks a source may have for the selection kernel (their lane maxima are staged in shared
 // memory: 128 bytes a block); longer sources go to the fallback for every row.
 constexpr int64_t kMaxSelectBlocks = 512;
+// The largest k whose selection loads the listed lanes a warp per lane (TopKSelectKernel, step 2).
+constexpr int32_t kNarrowLoadsMaxK = 128;
 // Radix select: 8-bit digits.
 constexpr int kRadixBins = 256;
 
@@ -213,6 +215,7 @@ size_t SelectSharedBytes(int64_t blocks, int32_t k) {
          static_cast<size_t>(CandidateCap(k) + padded) * sizeof(TopKEntry);
 }
 
+template <bool kWideLoads>
 __global__ void __launch_bounds__(kSelectThreads)
     TopKSelectKernel(DeviceSource a, int64_t col0, int64_t blocks, const float* lane_max, int32_t k,
                      int cap, TopKEntry* lists, int32_t* counts) {
@@ -250,11 +253,16 @@ __global__ void __launch_bounds__(kSelectThreads)
   if (count == k) threshold = max(threshold, OrderedBits(global_list[k - 1].value));
   threshold = max(threshold, ninf + 1);  // masked tokens are never candidates
 
-  // 2. The lanes that reach the threshold offer their 64 values. First a list of those lanes, then
-  // a warp per lane, four lanes in flight: thread t loads values 2 (t % 4) and 2 (t % 4) + 1 of
-  // the lane's chunk t / 4 (TransformOne: the operations of TransformInPlace, so the same bits),
-  // and the warp appends its hits with one atomic. (A thread per lane left 9.8 of 32 threads
-  // active and took 0.47 ms for k = 64; a warp per lane, one lane at a time, 0.26 ms.)
+  // 2. The lanes that reach the threshold offer their 64 values (TransformOne: the operations of
+  // TransformInPlace, so the same bits). First a list of those lanes, then, for a small k, a warp
+  // per lane, four lanes in flight: thread t loads values 2 (t % 4) and 2 (t % 4) + 1 of the lane's
+  // chunk t / 4 and the warp appends its hits with one atomic (a thread per lane left 9.8 of 32
+  // threads active and took 0.47 ms for k = 64; a warp per lane, one at a time, 0.26 ms; this
+  // form 0.19 ms). For a large k (kWideLoads) that form's 4-byte loads, k / 16 dependent rounds a
+  // row, made the k = 1024 selection 11x the statistics; there every (lane, chunk) pair of the list
+  // is one 16-byte load of 8 values, four outstanding a thread (356 -> 295 us a 1024-row tile,
+  // bf16, H200). It costs 80 registers instead of 40, which for k = 64 left 1024 rows 1.3 waves
+  // instead of one (33 -> 45 us): each k gets its own form.
   const int warp = threadIdx.x >> 5;
   const int t = threadIdx.x & 31;
   const unsigned below = (1u << t) - 1;
@@ -274,44 +282,94 @@ __global__ void __launch_bounds__(kSelectThreads)
     if (threadIdx.x == 0) counts[row] = -(count + 1);  // left to the fallback
     return;
   }
-  constexpr int kInFlight = 4;
-  for (int i0 = warp * kInFlight; i0 < num_items; i0 += kSelectThreads / 32 * kInFlight) {
-    float z[kInFlight][2];
-    int64_t c[kInFlight];
+  if constexpr (kWideLoads) {
+    constexpr int kInFlight = 4;
+    const int pieces = num_items * detail::kLaneChunks;
+    for (int p0 = 0; p0 < pieces; p0 += kSelectThreads * kInFlight) {  // uniform bounds
+      float v[kInFlight][8];
+      int64_t c[kInFlight];
 #pragma unroll
-    for (int q = 0; q < kInFlight; ++q) {
-      c[q] = 0;
-      z[q][0] = z[q][1] = detail::NegInfF();
-      if (i0 + q < num_items) {  // uniform over the warp
-        const int item = items[i0 + q];
-        c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (t >> 2) * 256 + (item & 31) * 8 +
-               (t & 3) * 2;
-        z[q][0] = detail::LoadOne(a, row, c[q]);
-        z[q][1] = detail::LoadOne(a, row, c[q] + 1);
-      }
-    }
-    unsigned h[kInFlight][2];
-    int total = 0;
+      for (int q = 0; q < kInFlight; ++q) {
+        const int p = p0 + q * kSelectThreads + static_cast<int>(threadIdx.x);
+        c[q] = 0;
+        if (p < pieces) {
+          const int item = items[p / detail::kLaneChunks];
+          c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (p % detail::kLaneChunks) * 256 +
+                 (item & 31) * 8;
+          detail::Load8(a, row, c[q], v[q]);
+        } else {
 #pragma unroll
-    for (int q = 0; q < kInFlight; ++q) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        h[q][e] = __ballot_sync(detail::kFullMask, OrderedBits(z[q][e]) >= threshold);
-        total += __popc(h[q][e]);
-      }
-    }
-    int base = 0;
-    if (t == 0 && total != 0) base = atomicAdd(&sh.num_cand, total);
-    base = __shfl_sync(detail::kFullMask, base, 0);
-#pragma unroll
-    for (int q = 0; q < kInFlight; ++q) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = base + __popc(h[q][e] & below);
-        if (((h[q][e] >> t) & 1) && i < cap) {
-          cand[i] = TopKEntry{z[q][e], static_cast<int32_t>(col0 + c[q] + e)};
+          for (int e = 0; e < 8; ++e) v[q][e] = detail::NegInfF();
         }
-        base += __popc(h[q][e]);
+      }
+      int hits = 0;
+#pragma unroll
+      for (int q = 0; q < kInFlight; ++q) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) hits += OrderedBits(v[q][e]) >= threshold ? 1 : 0;
+      }
+      // The warp's hits before this thread's (inclusive scan), then one atomic by the last lane.
+      int incl = hits;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(detail::kFullMask, incl, off);
+        if (t >= off) incl += y;
+      }
+      int base = 0;
+      if (t == 31 && incl != 0) base = atomicAdd(&sh.num_cand, incl);
+      int i = __shfl_sync(detail::kFullMask, base, 31) + incl - hits;
+#pragma unroll
+      for (int q = 0; q < kInFlight; ++q) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (OrderedBits(v[q][e]) >= threshold) {
+            if (i < cap) cand[i] = TopKEntry{v[q][e], static_cast<int32_t>(col0 + c[q] + e)};
+            ++i;
+          }
+        }
+      }
+    }
+  } else {
+    constexpr int kLanesInFlight = 4;
+    for (int i0 = warp * kLanesInFlight; i0 < num_items;
+         i0 += kSelectThreads / 32 * kLanesInFlight) {
+      float z[kLanesInFlight][2];
+      int64_t c[kLanesInFlight];
+#pragma unroll
+      for (int q = 0; q < kLanesInFlight; ++q) {
+        c[q] = 0;
+        z[q][0] = z[q][1] = detail::NegInfF();
+        if (i0 + q < num_items) {  // uniform over the warp
+          const int item = items[i0 + q];
+          c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (t >> 2) * 256 + (item & 31) * 8 +
+                 (t & 3) * 2;
+          z[q][0] = detail::LoadOne(a, row, c[q]);
+          z[q][1] = detail::LoadOne(a, row, c[q] + 1);
+        }
+      }
+      unsigned h[kLanesInFlight][2];
+      int total = 0;
+#pragma unroll
+      for (int q = 0; q < kLanesInFlight; ++q) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          h[q][e] = __ballot_sync(detail::kFullMask, OrderedBits(z[q][e]) >= threshold);
+          total += __popc(h[q][e]);
+        }
+      }
+      int base = 0;
+      if (t == 0 && total != 0) base = atomicAdd(&sh.num_cand, total);
+      base = __shfl_sync(detail::kFullMask, base, 0);
+#pragma unroll
+      for (int q = 0; q < kLanesInFlight; ++q) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = base + __popc(h[q][e] & below);
+          if (((h[q][e] >> t) & 1) && i < cap) {
+            cand[i] = TopKEntry{z[q][e], static_cast<int32_t>(col0 + c[q] + e)};
+          }
+          base += __popc(h[q][e]);
+        }
       }
     }
   }
@@ -473,12 +531,13 @@ cudaError_t LaunchSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEnt
     return cudaGetLastError();
   }
   const size_t smem = SelectSharedBytes(blocks, k);
+  auto* kernel = k > kNarrowLoadsMaxK ? TopKSelectKernel<true> : TopKSelectKernel<false>;
   cudaError_t err =
-      cudaFuncSetAttribute(TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kMaxTopK)));
   if (err != cudaSuccess) return err;
-  TopKSelectKernel<<<grid, kSelectThreads, smem, stream>>>(da, a.col0, blocks, lane_max, k,
-                                                           CandidateCap(k), lists, counts);
+  kernel<<<grid, kSelectThreads, smem, stream>>>(da, a.col0, blocks, lane_max, k, CandidateCap(k),
+                                                 lists, counts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   TopKMergeKernel<<<grid, kBlockThreads, 0, stream>>>(da, a.col0, blocks, k, lists, counts,
                                                       /*only_flagged=*/true);
