@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
   double jsd_tile_mb = 0;
   std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
   std::vector<int64_t> tile_rows_list;
-  bool no_logits = false, no_hidden = false, early_copies = false;
+  bool no_logits = false, no_hidden = false;
   std::string json_path;
   app.add_option("--rows", rows, "logits mode: token rows N");
   app.add_option("--vocab", vocab, "logits mode: vocabulary V");
@@ -241,8 +241,6 @@ int main(int argc, char** argv) {
                  "logits mode: CudaBackendOptions::logits_tile_rows to compare (the first gives "
                  "the main table, each other one extra lines; default: the option's default)")
       ->delimiter(',');
-  app.add_flag("--early-copies", early_copies,
-               "logits mode: CudaBackendOptions::copy_outputs_as_tiles_arrive = true");
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
   app.add_option("--json", json_path, "also write results as JSON");
@@ -277,7 +275,6 @@ int main(int argc, char** argv) {
       options.devices = {0};
       options.jsd_tile_bytes = static_cast<size_t>(jsd_tile_mb * 1e6);
       if (tile_rows >= 0) options.logits_tile_rows = tile_rows;
-      options.copy_outputs_as_tiles_arrive = early_copies;
       auto made = logitserve::CreateCudaBackend(options);
       if (!made.ok()) {
         std::fprintf(stderr, "%s\n", made.status().ToString().c_str());

@@ -500,12 +500,10 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   cudaFree(dr);
 }
 
-// Outputs of a megabyte or more come back on the reporting rank's kept host threads, which copy
-// each tile as it arrives from the start of the job (copy_outputs_as_tiles_arrive; rank_worker.h,
-// StartCopiers) or every tile once all are queued (the default): the same bits for every tile size
-// and layout, and a job stopped mid-way (its copiers stopped with it) leaves the backend serving
-// the next one.
-TEST(CudaDeterminism, LargeOutputsCopiedAsTilesArrive) {
+// Outputs of a megabyte or more come back split over the reporting rank's kept host threads once
+// every tile is queued (RankWorker::Finish): the same bits for every tile size and layout, and a
+// job stopped mid-way leaves the backend serving the next one.
+TEST(CudaDeterminism, LargeOutputsCopiedByThreads) {
   constexpr int64_t kRows = 2100, kVocab = 5000;  // 2100 x 64 x 8 B = 1.08 MB of top-k output
   constexpr int32_t kTopK = 64;
   std::mt19937_64 rng(61);
@@ -523,42 +521,38 @@ TEST(CudaDeterminism, LargeOutputsCopiedAsTilesArrive) {
   resident.job.model.logits.data = dm;
 
   std::unique_ptr<ScoreResult> baseline;
-  for (bool early : {false, true}) {
-    for (int shards : {1, 2}) {
-      for (int64_t tile_rows : {int64_t{8192}, int64_t{0}, int64_t{7}, int64_t{300}}) {
-        SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows) +
-                     (early ? ", copied as tiles arrive" : ", copied at the end"));
-        CudaBackendOptions o;
-        o.devices = {0};
-        o.shards = shards;
-        o.logits_tile_rows = tile_rows;
-        o.copy_outputs_as_tiles_arrive = early;
-        absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
-        ASSERT_TRUE(b.ok()) << b.status();
-        LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
-        LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
-        if (baseline == nullptr) {
-          ExpectMatchesReference(job.job, host);
-          baseline = std::make_unique<ScoreResult>(host);
-        }
-        ExpectBitwiseEqual(host, *baseline);
-        ExpectBitwiseEqual(dev, *baseline);
-        // Stopped at the third stop check (one per tile per rank): every size but the one tile.
-        std::atomic<int> calls{0};
-        OwnedJob stopped = resident;
-        stopped.job.stop = [&calls](int64_t) {
-          return ++calls > 2 ? absl::CancelledError("stop") : absl::OkStatus();
-        };
-        const absl::StatusOr<ScoreResult> cut = RunJob(**b, stopped.job);
-        if (tile_rows == 8192) {
-          EXPECT_TRUE(cut.ok()) << cut.status();
-        } else {
-          ASSERT_FALSE(cut.ok());
-          EXPECT_EQ(cut.status().code(), absl::StatusCode::kCancelled) << cut.status();
-        }
-        LOGITSERVE_ASSERT_SCORE(again, **b, resident.job);
-        ExpectBitwiseEqual(again, *baseline);
+  for (int shards : {1, 2}) {
+    for (int64_t tile_rows : {int64_t{8192}, int64_t{0}, int64_t{7}, int64_t{300}}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
+      CudaBackendOptions o;
+      o.devices = {0};
+      o.shards = shards;
+      o.logits_tile_rows = tile_rows;
+      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+      ASSERT_TRUE(b.ok()) << b.status();
+      LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
+      LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
+      if (baseline == nullptr) {
+        ExpectMatchesReference(job.job, host);
+        baseline = std::make_unique<ScoreResult>(host);
       }
+      ExpectBitwiseEqual(host, *baseline);
+      ExpectBitwiseEqual(dev, *baseline);
+      // Stopped at the third stop check (one per tile per rank): every size but the one tile.
+      std::atomic<int> calls{0};
+      OwnedJob stopped = resident;
+      stopped.job.stop = [&calls](int64_t) {
+        return ++calls > 2 ? absl::CancelledError("stop") : absl::OkStatus();
+      };
+      const absl::StatusOr<ScoreResult> cut = RunJob(**b, stopped.job);
+      if (tile_rows == 8192) {
+        EXPECT_TRUE(cut.ok()) << cut.status();
+      } else {
+        ASSERT_FALSE(cut.ok());
+        EXPECT_EQ(cut.status().code(), absl::StatusCode::kCancelled) << cut.status();
+      }
+      LOGITSERVE_ASSERT_SCORE(again, **b, resident.job);
+      ExpectBitwiseEqual(again, *baseline);
     }
   }
   cudaFree(dm);

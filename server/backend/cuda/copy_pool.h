@@ -1,5 +1,5 @@
 // CopyPool: host threads kept for a rank's lifetime that run one job's output copies at a time
-// (RankWorker's copier threads, rank_worker.h). Started per job, they cost the job their start-up:
+// (RankWorker::Finish splits large outputs over them). Started per job, they cost the job their start-up:
 // eight std::threads started with a top-k = 64 job of 8192 rows made its Score 0.42 ms slower on
 // the H200 machine (0.77 -> 1.20 ms); kept threads wait on a condition between jobs.
 //

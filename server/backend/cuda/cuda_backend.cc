@@ -239,7 +239,6 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   }
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());
   p.overlap_gemms = options_.overlap_hidden_gemms;
-  p.early_copies = options_.copy_outputs_as_tiles_arrive;
   int64_t widest = 0;
   for (const ShardRange& s : p.layout) widest = std::max(widest, s.end - s.begin);
   p.chunk_cols = p.any_hidden ? kCudaVocabChunk : std::max<int64_t>(widest, 1);

@@ -88,12 +88,6 @@ struct CudaBackendOptions {
   // kernels since reverted) measured JSD at 8.6 ms against 3.6 ms uncapped ([8192 x 75968] bf16);
   // the cap alone has not been measured yet.
   size_t jsd_tile_bytes = 0;
-  // Outputs of 1 MB or more: copied into the result by the reporting rank's kept host threads
-  // tile by tile as each tile's copy-back arrives, from the start of the job; else (default) by
-  // those threads once every tile is queued (RankWorker::Finish). Either way the same bytes. Off:
-  // measured no faster (H200, [8192 x 75968] bf16, 1024-row tiles: top-k 64 0.726 ms against
-  // 0.695, k = 1024 3.79 against 3.74).
-  bool copy_outputs_as_tiles_arrive = false;
   // Hidden mode: run the tile GEMMs on a second stream so that they overlap the statistics of
   // the previous chunk (double-buffered logits tiles), or both on one stream. Either way the same
   // kernels read the same inputs: the bits do not change.

@@ -44,9 +44,8 @@ struct JobPlan {
   // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
   // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
   bool overlap_gemms = false;
-  bool early_copies = false;  // CudaBackendOptions::copy_outputs_as_tiles_arrive
-  int64_t tile_rows = 0;      // rows per tile (the last tile may hold fewer)
-  int64_t chunk_cols = 0;     // vocabulary columns per statistics launch
+  int64_t tile_rows = 0;   // rows per tile (the last tile may hold fewer)
+  int64_t chunk_cols = 0;  // vocabulary columns per statistics launch
   kc::TileMessage msg;
   std::vector<bool> model_zero_copy;  // per rank: the model logits already live on its device
   std::vector<bool> ref_zero_copy;

@@ -529,7 +529,6 @@ absl::Status RankWorker::Run() {
   tiles.jsd_pass = plan_.jsd_pass;
   tiles.rank = rank_.index;
   tiles.test_fail_step = test_fail_step_;
-  StartCopiers();
   return RunShardedJob(job_, tiles, failure_, *this);
 }
 
@@ -553,11 +552,7 @@ absl::Status RankWorker::WaitTile(int64_t tile) {
       WaitFor(rank_.tile_done[static_cast<size_t>(done % kTileEvents)].get(), "row tile"));
   // Its outputs are in host_io (CopyTileOutputs): into the result now, on this thread, so that
   // Finish has only the last `depth` tiles left. (A job that fails after this discards them.)
-  if (copiers_) {
-    // The copier threads copy it; this thread only keeps the event ring from lapping their
-    // poller (EndTile(tile) re-records the event of tile - kTileEvents <= done).
-    (void)SpinUntil([&] { return arrived_.load(std::memory_order_acquire) > done; }, stop_copies_);
-  } else if (reports_ && copied_ == done) {
+  if (reports_ && copied_ == done) {
     for (const HostCopy& c : TileHostCopies(done)) std::memcpy(c.dst, c.src, c.bytes);
     copied_ = done + 1;
   }
@@ -606,9 +601,7 @@ absl::Status RankWorker::EndTile(int64_t tile) {
     }
   }
   if (reports_) {
-    LOGITSERVE_RETURN_IF_ERROR(CopyTileOutputs(tile));
-    recorded_.store(tile + 1, std::memory_order_release);  // the copier threads may wait for it
-    return absl::OkStatus();
+    return CopyTileOutputs(tile);
   }
   return CudaStatus(
       cudaEventRecord(rank_.tile_done[static_cast<size_t>(tile % kTileEvents)].get(), stream()),

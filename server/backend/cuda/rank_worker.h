@@ -2,10 +2,10 @@
 // job's workspace, target ids), then every row tile through the shared tile loop
 // (server/backend/sharded_job.h: stop check -> statistics of the shard's blocks, hidden mode
 // behind the GEMMs -> all-gather -> fold -> optional JSD pass -> the tile's outputs back to pinned
-// host memory), then finish (wait idle, rank 0 copies the outputs into the result as each tile's
-// arrive). Created per job by CudaBackend::Score, one per rank. The ShardedRank hooks only queue
-// work on the rank's streams; WaitTile / EndTile keep at most kTileEvents tiles queued ahead of
-// the host.
+// host memory), then finish (wait idle, rank 0 copies the outputs into the result: tiles the host
+// waited for as it queued later ones, then the rest split over the rank's CopyPool). Created per
+// job by CudaBackend::Score, one per rank. The ShardedRank hooks only queue work on the rank's
+// streams; WaitTile / EndTile keep at most kTileEvents tiles queued ahead of the host.
 //
 // Logits mode runs the tiles as a software pipeline (Rank's stats_streams): tile t's statistics
 // (message slot t % 2, lane maxima t % 2) on stats_streams[t % 2], its tail on `stream`, its
@@ -23,17 +23,14 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cuda_kernels.h"
@@ -69,21 +66,6 @@ inline bool IsPageable(const void* p) {
     return true;
   }
   return attr.type == cudaMemoryTypeUnregistered;
-}
-
-// Spins (yielding) until done() or `stop`; after 2 ms, naps 50 us between checks (as PollUntil).
-// Returns done().
-inline bool SpinUntil(absl::FunctionRef<bool()> done, const std::atomic<bool>& stop) {
-  const absl::Time start = absl::Now();
-  while (!done()) {
-    if (stop.load(std::memory_order_acquire)) return false;
-    if (absl::Now() - start < absl::Milliseconds(2)) {
-      std::this_thread::yield();
-    } else {
-      absl::SleepFor(absl::Microseconds(50));
-    }
-  }
-  return true;
 }
 
 // Host threads of the output copy-back at most: half the cores, at most kOutputThreads.
@@ -130,8 +112,7 @@ class RankWorker final : public ShardedRank {
   // then, when `copy` (the job succeeded), rank 0 copies the outputs not yet copied into the
   // result and the bad-row markers into first_bad. Every rank checks NCCL.
   absl::Status Finish(bool copy, int32_t* first_bad);
-  // Joins the copier threads if Finish did not (it always runs after Prepare).
-  ~RankWorker() override;
+  ~RankWorker() override = default;
 
  private:
   struct Dist {
@@ -169,15 +150,6 @@ class RankWorker final : public ShardedRank {
   int64_t TileRows(int64_t tile) const {
     return std::min(plan_.tile_rows, job_.rows - tile * plan_.tile_rows);
   }
-  // Reporting rank, large outputs, CudaBackendOptions::copy_outputs_as_tiles_arrive: host threads
-  // (the rank's CopyPool) that copy each tile's outputs into the result as soon as the tile's
-  // copy-back arrives, while this thread still queues later tiles (Run starts them). Thread 0 alone
-  // polls the tiles' events (one thread in the driver beside the queueing one) and publishes
-  // progress in arrived_; every thread copies its share of each tile.
-  void StartCopiers();
-  void CopierLoop(size_t i, size_t n);
-  // Stops and joins them; returns the first failure of their waits.
-  absl::Status JoinCopiers(bool stop);
   // Tiles the host may queue ahead of the GPU (WaitTile).
   int64_t Depth() const;
   bool pipelined() const { return !plan_.any_hidden; }
@@ -233,14 +205,7 @@ class RankWorker final : public ShardedRank {
   const int64_t num_tiles_;
   ScoreResult* const result_;
   int64_t copied_ = 0;  // reporting rank: tiles [0, copied_) are in result_
-  // The copier threads (StartCopiers): tiles whose copy-back is queued (EndTile), tiles whose
-  // copy-back has arrived (thread 0), a request to stop, and each thread's status.
-  bool copiers_ = false;  // running on rank_.copy_pool
-  std::atomic<int64_t> recorded_{0};
-  std::atomic<int64_t> arrived_{0};
-  std::atomic<bool> stop_copies_{false};
-  std::vector<absl::Status> copier_status_;
-  int slot_ = 0;  // the current tile's message slot (logits mode: tile % 2; hidden mode: 0)
+  int slot_ = 0;        // the current tile's message slot (logits mode: tile % 2; hidden mode: 0)
 
   Dist model_, ref_;
   std::array<uint8_t*, 2> send_{};  // this rank's message, per slot

@@ -23,10 +23,10 @@ namespace {
 // of the concatenated copies.
 class SplitCopy {
  public:
-  SplitCopy(std::vector<HostCopy> copies, size_t n) : copies_(std::move(copies)), n_(n) {
+  SplitCopy(std::vector<HostCopy> copies, size_t n) : copies_(std::move(copies)) {
     size_t total = 0;
     for (const HostCopy& c : copies_) total += c.bytes;
-    share_ = (total + n_ - 1) / n_;
+    share_ = (total + n - 1) / n;
   }
   void Run(size_t i) const {
     const size_t begin = i * share_, end = begin + share_;
@@ -43,7 +43,6 @@ class SplitCopy {
 
  private:
   std::vector<HostCopy> copies_;
-  size_t n_ = 1;
   size_t share_ = 0;
 };
 
@@ -54,65 +53,7 @@ size_t CopyThreads(size_t bytes) {
   return std::clamp<size_t>((bytes + kPerThread - 1) / kPerThread, 1, MaxCopyThreads());
 }
 
-// Outputs from this size on are copied by threads that start with the job (StartCopiers); the
-// copies of smaller ones cost less than starting a thread.
-constexpr size_t kEarlyCopyBytes = size_t{1} << 20;
-
 }  // namespace
-
-RankWorker::~RankWorker() { (void)JoinCopiers(/*stop=*/true); }
-
-void RankWorker::StartCopiers() {
-  size_t total = 0;
-  for (size_t b : out_bytes_) total += b;
-  if (!reports_ || !plan_.early_copies || total < kEarlyCopyBytes || rank_.copy_pool == nullptr) {
-    return;
-  }
-  const size_t n = std::min(CopyThreads(total), rank_.copy_pool->size());
-  copier_status_.assign(n, absl::OkStatus());
-  copiers_ = true;
-  rank_.copy_pool->Start(n, [this, n](size_t i) { CopierLoop(i, n); });
-}
-
-void RankWorker::CopierLoop(size_t i, size_t n) {
-  if (i == 0) {
-    // Events are queried on the rank's device.
-    if (cudaError_t e = cudaSetDevice(rank_.device); e != cudaSuccess) {
-      copier_status_[0] = CudaStatus(e, "cudaSetDevice", __FILE__, __LINE__);
-      stop_copies_.store(true, std::memory_order_release);
-      return;
-    }
-  }
-  for (int64_t t = 0; t < num_tiles_; ++t) {
-    if (i == 0) {
-      // The tile's event is recorded for this job only once EndTile has queued its copy-back.
-      if (!SpinUntil([&] { return recorded_.load(std::memory_order_acquire) > t; }, stop_copies_)) {
-        return;
-      }
-      absl::Status s =
-          WaitFor(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), "output copy");
-      if (!s.ok()) {
-        copier_status_[0] = std::move(s);
-        stop_copies_.store(true, std::memory_order_release);
-        return;
-      }
-      arrived_.store(t + 1, std::memory_order_release);
-    } else if (!SpinUntil([&] { return arrived_.load(std::memory_order_acquire) > t; },
-                          stop_copies_)) {
-      return;
-    }
-    SplitCopy(TileHostCopies(t), n).Run(i);
-  }
-}
-
-absl::Status RankWorker::JoinCopiers(bool stop) {
-  if (!copiers_) return absl::OkStatus();
-  if (stop) stop_copies_.store(true, std::memory_order_release);
-  rank_.copy_pool->Wait();
-  copiers_ = false;
-  for (const absl::Status& s : copier_status_) LOGITSERVE_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
-}
 
 std::vector<HostCopy> RankWorker::TileHostCopies(int64_t tile) const {
   std::vector<HostCopy> copies;
@@ -179,16 +120,7 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
   // before Score returns. On the reporting rank after a successful job, the last tile's event
   // covers all of it (EndTile); every other rank waits here.
   if (!(copy && reports_)) {
-    stop_copies_.store(true, std::memory_order_release);
-    const absl::Status idle = WaitIdle("job end");
-    const absl::Status copiers = JoinCopiers(/*stop=*/true);
-    LOGITSERVE_RETURN_IF_ERROR(idle);
-    LOGITSERVE_RETURN_IF_ERROR(copiers);
-  } else if (copiers_) {
-    // The copier threads have every tile (the last one's event covers the whole job).
-    LOGITSERVE_RETURN_IF_ERROR(JoinCopiers(/*stop=*/false));
-    copied_ = num_tiles_;
-    std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
+    LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
   } else {
     // The tiles WaitTile has not copied: each tile's slices split over the threads, every thread
     // going through the tiles in order and waiting for each one's event only, so the host copies
