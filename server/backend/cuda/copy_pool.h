@@ -1,7 +1,7 @@
 // CopyPool: host threads kept for a rank's lifetime that run one job's output copies at a time
-// (RankWorker::Finish splits large outputs over them). Started per job, they cost the job their start-up:
-// eight std::threads started with a top-k = 64 job of 8192 rows made its Score 0.42 ms slower on
-// the H200 machine (0.77 -> 1.20 ms); kept threads wait on a condition between jobs.
+// (RankWorker::Finish splits large outputs over them). Started per job, they cost the job their
+// start-up: eight std::threads started with a top-k = 64 job of 8192 rows made its Score 0.42 ms
+// slower on the H200 machine (0.77 -> 1.20 ms); kept threads wait on a condition between jobs.
 //
 // Thread safety: Start and Wait are called by one thread (the rank's worker) at a time, Start only
 // when no run is in progress.
