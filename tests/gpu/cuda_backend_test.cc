@@ -538,11 +538,12 @@ TEST(CudaDeterminism, LargeOutputsCopiedByThreads) {
       }
       ExpectBitwiseEqual(host, *baseline);
       ExpectBitwiseEqual(dev, *baseline);
-      // Stopped at the third stop check (one per tile per rank): every size but the one tile.
+      // Stopped at the first stop check after the first tile's (one per tile per rank): every
+      // size but the one tile is cut (by job, k = 64 runs 2048-row tiles: two for 2100 rows).
       std::atomic<int> calls{0};
       OwnedJob stopped = resident;
-      stopped.job.stop = [&calls](int64_t) {
-        return ++calls > 2 ? absl::CancelledError("stop") : absl::OkStatus();
+      stopped.job.stop = [&calls, shards](int64_t) {
+        return ++calls > shards ? absl::CancelledError("stop") : absl::OkStatus();
       };
       const absl::StatusOr<ScoreResult> cut = RunJob(**b, stopped.job);
       if (tile_rows == 8192) {

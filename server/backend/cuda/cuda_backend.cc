@@ -59,13 +59,13 @@ using cuda_internal::JoinSideStreams;
 using cuda_internal::kMaxLogitsTileRows;
 using cuda_internal::kNoBadRow;
 using cuda_internal::kTileEvents;
-using cuda_internal::kTopKTileRows;
 using cuda_internal::LtHandle;
 using cuda_internal::ParseTestFault;
 using cuda_internal::Rank;
 using cuda_internal::RankWorker;
 using cuda_internal::RoundUp;
 using cuda_internal::TestFault;
+using cuda_internal::TopKTileRows;
 
 class CudaBackend final : public Backend {
  public:
@@ -278,7 +278,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     // the staging memory and the per-tile message.
     int64_t rows = options_.logits_tile_rows > 0
                        ? options_.logits_tile_rows
-                       : (job.top_k > 0 ? kTopKTileRows : kMaxLogitsTileRows);
+                       : (job.top_k > 0 ? TopKTileRows(job.top_k) : kMaxLogitsTileRows);
     if (staging_per_row > 0) {
       rows = std::min<int64_t>(
           rows, static_cast<int64_t>(options_.logits_staging_bytes) / staging_per_row);

@@ -71,7 +71,7 @@ struct CudaBackendOptions {
   // Device memory a rank may use for staging host logits per row tile (logits mode); the tile's
   // row count follows from it and never changes a result.
   size_t logits_staging_bytes = size_t{1} << 30;
-  // Logits mode: rows per row tile; 0 = by job (JobPlan::kTopKTileRows with top-k, else one tile
+  // Logits mode: rows per row tile; 0 = by job (TopKTileRows(k) with top-k, else one tile
   // of up to kMaxLogitsTileRows). The staging and JSD caps below may lower it. The tiles run as a
   // pipeline: the statistics of tile t + 1 read the logits while tile t's latency-bound tail
   // (top-k selection, all-gather, fold, JSD pass, output copy-back) runs on a second stream, so

@@ -19,11 +19,15 @@ namespace kc = kernels::cuda;
 // Logits mode: most rows per tile (bounds the per-rank message, O(rows * (blocks + top_k))).
 constexpr int64_t kMaxLogitsTileRows = 8192;
 // Logits mode with top-k, CudaBackendOptions::logits_tile_rows = 0: rows per pipelined tile
-// (H200, [8192 x 75968] bf16, Score wall clock, k = 64: 8192 rows in one tile 0.760-0.774 ms,
-// tiles of 2048 0.665-0.670, 1024 0.686-0.695, 512 0.948 (host-bound); k = 1024: 5.90 / 3.95-4.03
-// / 3.74-3.81 / 3.82 ms). Without top-k one tile measured best (logprobs 0.321 ms against 0.334
-// with 1024-row tiles, JSD 1.626 against 1.747): their tails are mostly fixed latency.
-constexpr int64_t kTopKTileRows = 1024;
+// (H200, [8192 x 75968], Score wall clock, logitserve-kernel-bench --logits-tile-rows; with the
+// selection kernels of eb37afc: k = 64 tiles of 4096 / 2048 / 1024 / 512 rows 0.677 / 0.645 /
+// 0.665 / 0.925 ms (fp16: 2048 0.637, 1024 0.705); k = 1024 3.657 / 3.351 / 3.148 / 3.159 (fp16:
+// 2048 3.172, 1024 3.066); before them one 8192-row tile cost 0.760 and 5.90 ms). A small k's
+// selection is short, so fewer, larger tiles cost less host time; a large k's is long enough
+// that a finer pipeline hides more of it. Without top-k one tile measured best (logprobs 0.321
+// ms against 0.334 with 1024-row tiles, JSD 1.626 against 1.747): their tails are mostly fixed
+// latency.
+inline int64_t TopKTileRows(int32_t k) { return k <= 128 ? 2048 : 1024; }
 // first_bad_row's "no bad row" value (cudaMemset byte 0x7f).
 constexpr int32_t kNoBadRow = 0x7f7f7f7f;
 
