@@ -85,6 +85,15 @@ __device__ __forceinline__ void PairItem(const DeviceSource& a, const DeviceSour
       float sa[2] = {0.0f, 0.0f}, wa[2] = {0.0f, 0.0f}, sb[2] = {0.0f, 0.0f}, wb[2] = {0.0f, 0.0f};
       float cab[2] = {0.0f, 0.0f}, cba[2] = {0.0f, 0.0f};
       bool a_only = false, b_only = false;
+      // One token's terms into accumulator q (both paths: the same operations in the same order).
+      auto add = [&](int q, float ea, float da, float eb, float db, float diff) {
+        sa[q] += ea;
+        wa[q] = fmaf(ea, da, wa[q]);
+        sb[q] += eb;
+        wb[q] = fmaf(eb, db, wb[q]);
+        cab[q] = fmaf(ea, diff, cab[q]);
+        cba[q] = fmaf(-eb, diff, cba[q]);
+      };
       // Fast path: no token of the block is masked on either side (every shift finite, so no
       // clamp can matter: a shift below kClampShift has exp = 0 and adds 0 * shift = -0 either way,
       // and every token is live on both sides). The bits equal the general path's.
@@ -97,15 +106,7 @@ __device__ __forceinline__ void PairItem(const DeviceSource& a, const DeviceSour
           for (int e = 0; e < 8; ++e) {
             const float da = Z(ta, va, j, e) - sha;
             const float db = Z(tb, vb, j, e) - shb;
-            const float ea = ExpShift(da);
-            const float eb = ExpShift(db);
-            sa[e & 1] += ea;
-            wa[e & 1] = fmaf(ea, da, wa[e & 1]);
-            sb[e & 1] += eb;
-            wb[e & 1] = fmaf(eb, db, wb[e & 1]);
-            const float diff = da - db;
-            cab[e & 1] = fmaf(ea, diff, cab[e & 1]);
-            cba[e & 1] = fmaf(-eb, diff, cba[e & 1]);
+            add(e & 1, ExpShift(da), da, ExpShift(db), db, da - db);
           }
         }
       } else {
@@ -121,19 +122,11 @@ __device__ __forceinline__ void PairItem(const DeviceSource& a, const DeviceSour
             b_only |= live_b && !live_a;
             const float dac = fmaxf(da, kClampShift);
             const float dbc = fmaxf(db, kClampShift);
-            const float ea = ExpShift(dac);
-            const float eb = ExpShift(dbc);
-            sa[e & 1] += ea;
-            wa[e & 1] = fmaf(ea, dac, wa[e & 1]);
-            sb[e & 1] += eb;
-            wb[e & 1] = fmaf(eb, dbc, wb[e & 1]);
             // Cross terms over tokens both sides support, with the unclamped shifts: a deep but
             // finite logit (b - m_b = -300) is underflow, not masking, and its KL term grows with
             // it. A token only one side supports raised a mismatch flag, which overrides that
             // direction with +inf.
-            const float diff = (live_a && live_b) ? da - db : 0.0f;
-            cab[e & 1] = fmaf(ea, diff, cab[e & 1]);
-            cba[e & 1] = fmaf(-eb, diff, cba[e & 1]);
+            add(e & 1, ExpShift(dac), dac, ExpShift(dbc), dbc, (live_a && live_b) ? da - db : 0.0f);
           }
         }
       }
