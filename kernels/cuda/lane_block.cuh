@@ -236,16 +236,18 @@ __device__ __forceinline__ void TransformInPlace(const DeviceSource& s, int64_t 
   }
 }
 
-// x after the temperature, for a 16-bit block (fp32 blocks are transformed in place beforehand;
-// for a raw maximum or minimum this is exact because x / t is monotone for t > 0). For one-off
-// values; the per-value loops take a Temper.
+// Whether a source's values still need dividing by its temperature (fp32 blocks are transformed in
+// place beforehand, TransformInPlace).
+template <FloatType T>
+__device__ __forceinline__ bool HasTemperature(const DeviceSource& s) {
+  return T != FloatType::kFloat32 && s.t.temperature != 1.0f;
+}
+
+// x after the temperature (for a raw maximum or minimum this is exact because x / t is monotone
+// for t > 0). For one-off values; the per-value loops take a Temper.
 template <FloatType T>
 __device__ __forceinline__ float Tempered(const DeviceSource& s, float x) {
-  if constexpr (T == FloatType::kFloat32) {
-    return x;
-  } else {
-    return s.t.temperature == 1.0f ? x : x / s.t.temperature;
-  }
+  return HasTemperature<T>(s) ? x / s.t.temperature : x;
 }
 
 // The temperature of a source as a compile-time choice, made once per warp item by WithTemper(s).
@@ -266,11 +268,6 @@ struct Temper {
     }
   }
 };
-
-template <FloatType T>
-__device__ __forceinline__ bool HasTemperature(const DeviceSource& s) {
-  return T != FloatType::kFloat32 && s.t.temperature != 1.0f;
-}
 
 // f(Temper) for the source's temperature (uniform over the warp).
 template <FloatType T, typename F>
