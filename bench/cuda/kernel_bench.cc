@@ -35,6 +35,8 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "bench/cuda/bench_fill.h"
 #include "logitserve/kernels/cuda_kernels.h"
 #include "logitserve/kernels/dtype.h"
@@ -225,6 +227,8 @@ int main(int argc, char** argv) {
   double jsd_tile_mb = 0;
   std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
   std::vector<int64_t> tile_rows_list;
+  std::vector<int64_t> tile_gemm_rows = {logitserve::kCudaRowTile};
+  std::vector<std::string> hidden_configs;
   bool no_logits = false, no_hidden = false;
   std::string json_path;
   app.add_option("--rows", rows, "logits mode: token rows N");
@@ -240,6 +244,15 @@ int main(int argc, char** argv) {
   app.add_option("--logits-tile-rows", tile_rows_list,
                  "logits mode: CudaBackendOptions::logits_tile_rows to compare (the first gives "
                  "the main table, each other one extra lines; default: the option's default)")
+      ->delimiter(',');
+  app.add_option("--tile-gemm-rows", tile_gemm_rows,
+                 "hidden mode: row counts of the tile GEMMs timed alone (the first should be "
+                 "the pipeline's, 512)")
+      ->delimiter(',');
+  app.add_option("--hidden-configs", hidden_configs,
+                 "hidden mode: also run the 1-GPU Score with these ROWS:CHUNKS[:serial] "
+                 "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
+                 "overlap_hidden_gemms off)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -544,10 +557,13 @@ int main(int argc, char** argv) {
     // host_inputs: the hidden states in pageable host memory, as the service hands them over
     // (copied per row tile), instead of resident on GPU 0.
     auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
-                           bool overlap = true) -> double {
+                           bool overlap = true, int stats_chunks = 0,
+                           int64_t row_tile = 0) -> double {
       logitserve::CudaBackendOptions options;
       options.devices = devs;
       options.overlap_hidden_gemms = overlap;
+      if (stats_chunks > 0) options.hidden_stats_chunks = stats_chunks;
+      options.hidden_row_tile = row_tile;
       const double free_before = FreeDeviceBytes(0);
       auto backend = logitserve::CreateCudaBackend(options);
       if (!backend.ok()) {
@@ -630,24 +646,26 @@ int main(int argc, char** argv) {
       return ms;
     };
 
-    // The pipeline's own GEMMs alone: the fixed 512 x 8192 x H tiles, as many as one job runs.
-    {
+    // The pipeline's own GEMMs alone: the fixed 512 x 8192 x H tiles, as many as one job runs
+    // (and, for comparison, taller tiles: --tile-gemm-rows).
+    for (const int64_t gemm_rows : tile_gemm_rows) {
       cublasLtHandle_t lt;
       CHECK_CUDA(cublasLtCreate(&lt));
-      auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8);
+      const logitserve::TileGemmShape shape{gemm_rows, logitserve::kCudaVocabChunk,
+                                            logitserve::kCudaVocabChunk};
+      auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8, shape);
       if (!gemm.ok()) {
         std::fprintf(stderr, "%s\n", gemm.status().ToString().c_str());
         return 1;
       }
       const int64_t k = (*gemm)->k();
       void* w = DeviceAlloc(static_cast<size_t>(logitserve::kCudaVocabChunk * k) * 2);
-      void* x = DeviceAlloc(static_cast<size_t>(logitserve::kCudaRowTile * k) * 2);
-      void* o = DeviceAlloc(
-          static_cast<size_t>(logitserve::kCudaRowTile * logitserve::kCudaVocabChunk) * 4);
+      void* x = DeviceAlloc(static_cast<size_t>(gemm_rows * k) * 2);
+      void* o = DeviceAlloc(static_cast<size_t>(gemm_rows * logitserve::kCudaVocabChunk) * 4);
       void* ws = DeviceAlloc(logitserve::kCublasWorkspaceBytes);
       CHECK_CUDA(cudaMemset(w, 0, static_cast<size_t>(logitserve::kCudaVocabChunk * k) * 2));
-      CHECK_CUDA(cudaMemset(x, 0, static_cast<size_t>(logitserve::kCudaRowTile * k) * 2));
-      const int64_t tiles = (hrows + logitserve::kCudaRowTile - 1) / logitserve::kCudaRowTile;
+      CHECK_CUDA(cudaMemset(x, 0, static_cast<size_t>(gemm_rows * k) * 2));
+      const int64_t tiles = (hrows + gemm_rows - 1) / gemm_rows;
       const int64_t chunks =
           (hvocab + logitserve::kCudaVocabChunk - 1) / logitserve::kCudaVocabChunk;
       const double ms = BestEventMs(stream, 1, hidden_iters, [&] {
@@ -661,12 +679,17 @@ int main(int argc, char** argv) {
         }
       });
       std::printf(
-          "pipeline tile GEMMs alone (%ld x 512x8192x%ld, zeros): %.3f ms = %.3f x the bare "
+          "%s tile GEMMs alone (%ld x %ldx8192x%ld, zeros): %.3f ms = %.3f x the bare "
           "GEMMs\n  %s\n",
-          static_cast<long>(2 * tiles * chunks), static_cast<long>(k), ms, ms / bare_ms,
-          (*gemm)->description().c_str());
-      out["hidden"]["tile_gemms_ms"] = ms;
-      out["hidden"]["tile_gemm"] = (*gemm)->description();
+          gemm_rows == logitserve::kCudaRowTile ? "pipeline" : "taller",
+          static_cast<long>(2 * tiles * chunks), static_cast<long>(gemm_rows), static_cast<long>(k),
+          ms, ms / bare_ms, (*gemm)->description().c_str());
+      if (gemm_rows == logitserve::kCudaRowTile) {
+        out["hidden"]["tile_gemms_ms"] = ms;
+        out["hidden"]["tile_gemm"] = (*gemm)->description();
+      } else {
+        out["hidden"]["tile_gemms_ms_by_rows"][std::to_string(gemm_rows)] = ms;
+      }
       cudaFree(w);
       cudaFree(x);
       cudaFree(o);
@@ -674,6 +697,21 @@ int main(int argc, char** argv) {
       cublasLtDestroy(lt);
     }
     const double one = run_backend({0}, "1 GPU", false);
+    for (const std::string& config : hidden_configs) {
+      // ROWS:CHUNKS[:serial]
+      const std::vector<std::string> f = absl::StrSplit(config, ':');
+      int64_t row_tile = 0;
+      int chunks = 0;
+      if (f.size() < 2 || !absl::SimpleAtoi(f[0], &row_tile) || !absl::SimpleAtoi(f[1], &chunks) ||
+          (f.size() == 3 && f[2] != "serial") || f.size() > 3) {
+        std::fprintf(stderr, "--hidden-configs: bad entry '%s'\n", config.c_str());
+        return 1;
+      }
+      const bool serial = f.size() == 3;
+      const std::string label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
+                                (serial ? ", GEMMs on the statistics stream" : "");
+      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile);
+    }
     run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false);
     run_backend({0}, "1 GPU, host hidden states", true);
     if (devices >= 2) {

@@ -219,6 +219,19 @@ __device__ __forceinline__ void TransformInPlace(const DeviceSource& s, int64_t 
     const bool tail =
         (s.t.head && (s.t.bias != nullptr || s.t.scale != 1.0f || s.t.softcap > 0.0f)) ||
         s.t.temperature != 1.0f;
+    if (!tail && c0 + kVocabBlock <= s.cols) {  // uniform over the warp
+      // The zero fix alone on a full block (hidden mode's common case): x + 0 is x for every x
+      // but -0, which becomes +0, so one add per value and no column test. (The general loop
+      // below pays a 64-bit column test, a compare and a select a value.)
+#pragma unroll
+      for (int j = 0; j < kLaneChunks; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          b.w[j][e] = __float_as_uint(__fadd_rn(__uint_as_float(b.w[j][e]), 0.0f));
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll

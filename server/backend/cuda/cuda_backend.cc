@@ -99,6 +99,15 @@ class CudaBackend final : public Backend {
   // collective waits for ever, and lets the streams drain for a bounded time.
   void ShutDownAfterFatalError() ABSL_EXCLUSIVE_LOCKS_REQUIRED(score_mu_);
   absl::StatusOr<std::shared_ptr<const CudaTileGemm>> GemmFor(int device, int64_t k_pad);
+  // Every tile GEMM's shape: HiddenRowTile() x kCudaVocabChunk into slots of
+  // hidden_stats_chunks chunks side by side.
+  int64_t HiddenRowTile() const {
+    return options_.hidden_row_tile > 0 ? options_.hidden_row_tile : kCudaRowTile;
+  }
+  TileGemmShape SlotGemmShape() const {
+    return TileGemmShape{HiddenRowTile(), kCudaVocabChunk,
+                         options_.hidden_stats_chunks * kCudaVocabChunk};
+  }
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
   absl::Status CheckHead(const DistributionInput& in) const;
 
@@ -123,7 +132,7 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
   LtHandle lt;  // its own handle: the ranks' handles may be busy in a concurrent Score
   LOGITSERVE_RETURN_IF_ERROR(lt.Create());
   LOGITSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const CudaTileGemm> shared,
-                              CudaTileGemm::Create(lt.get(), k_pad));
+                              CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape()));
   gemms_.emplace(std::make_pair(device, k_pad), shared);
   return shared;
 }
@@ -241,7 +250,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.overlap_gemms = options_.overlap_hidden_gemms;
   int64_t widest = 0;
   for (const ShardRange& s : p.layout) widest = std::max(widest, s.end - s.begin);
-  p.chunk_cols = p.any_hidden ? kCudaVocabChunk : std::max<int64_t>(widest, 1);
+  p.chunk_cols = p.any_hidden ? SlotGemmShape().ld : std::max<int64_t>(widest, 1);
 
   // Logits read in place where they already live on a rank's device.
   p.model_zero_copy.assign(static_cast<size_t>(ranks), false);
@@ -272,7 +281,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.ref_pageable_hidden =
       p.pair && job.reference.hidden_mode() && IsPageable(job.reference.hidden.data);
   if (p.any_hidden) {
-    p.tile_rows = kCudaRowTile;  // the GEMM's shape: fixed, whatever N
+    p.tile_rows = HiddenRowTile();  // the GEMM's shape: fixed, whatever N
   } else {
     // Any tile size gives the same bits in logits mode (rows are independent); this one bounds
     // the staging memory and the per-tile message.
@@ -482,6 +491,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   }
   if (options.logits_tile_rows < 0) {
     return absl::InvalidArgumentError("logits_tile_rows must be >= 0");
+  }
+  if (options.hidden_row_tile < 0 || options.hidden_row_tile > 8192 ||
+      options.hidden_row_tile % 64 != 0) {
+    return absl::InvalidArgumentError("hidden_row_tile must be 0 or a multiple of 64 <= 8192");
+  }
+  if (options.hidden_stats_chunks < 1 || options.hidden_stats_chunks > 64) {
+    return absl::InvalidArgumentError("hidden_stats_chunks must be in [1, 64]");
   }
   if (options.collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("collective_timeout must be > 0");

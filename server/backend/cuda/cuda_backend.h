@@ -92,6 +92,18 @@ struct CudaBackendOptions {
   // the previous chunk (double-buffered logits tiles), or both on one stream. Either way the same
   // kernels read the same inputs: the bits do not change.
   bool overlap_hidden_gemms = true;
+  // Hidden mode: GEMM chunks (kCudaVocabChunk columns each) whose logits lie side by side in one
+  // slot and go through one statistics launch. A 512 x 8192 chunk alone is 2048 warp items, 1.3
+  // waves of the fp32 pair kernel: launches that small ran at a third of its streaming rate.
+  // Each chunk costs row tile x 8192 x 4 bytes per slot (two slots per distribution; with a JSD
+  // pass every slot of the shard). H200, policy + reference at N 8192, H 4096, V 151936
+  // (logitserve-kernel-bench --hidden-configs): row tile 1024 with 2 chunks 31.8 ms (306 MB of
+  // workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512 with 4 chunks 33.4, 8: 34.5; row tile
+  // 2048 with 1-2 chunks 33.2-33.5. Never changes a result (the statistics are per block).
+  int hidden_stats_chunks = 2;
+  // Hidden mode: rows of every tile GEMM (the row tile); 0 = kCudaRowTile. Fixed per backend,
+  // whatever the job's N (batch invariance: every row goes through the same GEMM shape).
+  int64_t hidden_row_tile = 0;
   // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
   // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
   // order the ranks meet before each all-gather: one per row tile, two with a JSD pass). Exercises

@@ -29,11 +29,15 @@ CudaTileGemm::~CudaTileGemm() {
 }
 
 absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandle_t handle,
-                                                                   int64_t k) {
+                                                                   int64_t k, TileGemmShape shape) {
   if (k <= 0 || k % 8 != 0)
     return absl::InvalidArgumentError("CudaTileGemm: k must be a multiple of 8");
+  if (shape.rows <= 0 || shape.cols <= 0 || shape.ld < shape.cols) {
+    return absl::InvalidArgumentError("CudaTileGemm: bad shape");
+  }
   std::unique_ptr<CudaTileGemm> g(new CudaTileGemm());
   g->k_ = k;
+  g->shape_ = shape;
   // Column-major view: D[m = chunk, n = rows] = op(A) op(B) with A = W stored [chunk][k] row-major
   // (= k x chunk column-major, transposed), B = x stored [rows][k] (= k x rows column-major).
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
@@ -44,11 +48,11 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulDescSetAttribute(
       g->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
-      cublasLtMatrixLayoutCreate(&g->a_, CUDA_R_16BF, k, kCudaVocabChunk, k));
+      cublasLtMatrixLayoutCreate(&g->a_, CUDA_R_16BF, k, shape.cols, k));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
-      cublasLtMatrixLayoutCreate(&g->b_, CUDA_R_16BF, k, kCudaRowTile, k));
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatrixLayoutCreate(&g->c_, CUDA_R_32F, kCudaVocabChunk,
-                                                             kCudaRowTile, kCudaVocabChunk));
+      cublasLtMatrixLayoutCreate(&g->b_, CUDA_R_16BF, k, shape.rows, k));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cublasLtMatrixLayoutCreate(&g->c_, CUDA_R_32F, shape.cols, shape.rows, shape.ld));
 
   cublasLtMatmulPreference_t pref = nullptr;
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulPreferenceCreate(&pref));
@@ -76,15 +80,15 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
     }
   }
   if (chosen < 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuBLASLt offers no algorithm without split-K for the bf16 GEMM ", kCudaRowTile, " x ",
-        kCudaVocabChunk, " x ", k, " (", returned, " candidates)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuBLASLt offers no algorithm without split-K for the bf16 GEMM ", shape.rows,
+                     " x ", shape.cols, " x ", k, " (", returned, " candidates)"));
   }
   const auto& r = results[static_cast<size_t>(chosen)];
   g->algo_ = r.algo;
   g->workspace_bytes_ = r.workspaceSize;
   g->description_ = absl::StrCat(
-      "cuBLASLt bf16 GEMM m=", kCudaVocabChunk, " n=", kCudaRowTile, " k=", k,
+      "cuBLASLt bf16 GEMM m=", shape.cols, " n=", shape.rows, " k=", k, " ldc=", shape.ld,
       ": heuristic result ", chosen, " of ", returned, ", algo id ",
       AlgoConfig<int32_t>(r.algo, CUBLASLT_ALGO_CONFIG_ID), ", tile ",
       AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID), ", stages ",

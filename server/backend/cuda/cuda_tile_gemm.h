@@ -3,15 +3,16 @@
 //   logits[kCudaRowTile rows][kCudaVocabChunk] (+)= x[kCudaRowTile, k] . W[kCudaVocabChunk, k]^T
 //
 // bf16 inputs (exact parts, see LaunchSplitToBf16), fp32 accumulate and output, row-major logits
-// with leading dimension kCudaVocabChunk: 512 x 8192 fp32 = 16 MiB, which stays in the 50-60 MB
-// L2 while the statistics kernel reads it back.
+// with leading dimension `ld` (a multiple of kCudaVocabChunk): the hidden-mode pipeline writes
+// several chunks side by side into one slot and reads them back with one statistics launch.
 //
-// Determinism: the shape never changes (row tiles are padded to kCudaRowTile rows, the head's
-// shard to whole chunks), and the algorithm is chosen once per (device, k) from cuBLASLt's
-// heuristic among results that use no split-K (SPLITK_NUM == 1, no reduction scheme), then pinned:
-// every call runs the same kernel with the same K order for every output element, whatever the
-// batch, the row's position in it, or the shard layout. Accumulating (beta = 1) runs the same
-// algorithm; adding a product that is exactly zero leaves every bit of the output as it was.
+// Determinism: within one backend the shape never changes (row tiles are padded to the backend's
+// row tile, the head's shard to whole chunks, and `ld` is the backend's slot width), and the
+// algorithm is chosen once per (device, k) from cuBLASLt's heuristic among results that use no
+// split-K (SPLITK_NUM == 1, no reduction scheme), then pinned: every call runs the same kernel with
+// the same K order for every output element, whatever the batch, the row's position in it, or the
+// shard layout. Accumulating (beta = 1) runs the same algorithm; adding a product that is exactly
+// zero leaves every bit of the output as it was.
 //
 // Thread safety: Run() may be called concurrently on different streams with different workspaces.
 #pragma once
@@ -27,21 +28,34 @@
 
 namespace logitserve {
 
-inline constexpr int64_t kCudaRowTile = 512;                // rows per GEMM (fixed: see above)
+// Rows per GEMM (fixed: see above). H200, the 8192 x 4096 x 151936 pair of logitserve-kernel-bench
+// --tile-gemm-rows 512,1024,2048: 512-row tiles cost 1.063-1.115x one whole GEMM, 1024 0.993x,
+// 2048 0.997x (cuBLASLt's same kernel, 1.9 waves of 132 SMs instead of 0.97).
+inline constexpr int64_t kCudaRowTile = 1024;
 inline constexpr int64_t kCudaVocabChunk = 8192;            // vocabulary ids per GEMM (4 blocks)
 inline constexpr size_t kCublasWorkspaceBytes = 32u << 20;  // NVIDIA's recommendation for Hopper
+
+// The shape of one tile GEMM: the backend's is always the default rows x cols (benchmarks try
+// others); ld is the output's leading dimension (>= cols).
+struct TileGemmShape {
+  int64_t rows = kCudaRowTile;
+  int64_t cols = kCudaVocabChunk;
+  int64_t ld = kCudaVocabChunk;
+};
 
 class CudaTileGemm {
  public:
   // Chooses and pins the algorithm for hidden size k (a multiple of 8) on the current device.
-  static absl::StatusOr<std::unique_ptr<CudaTileGemm>> Create(cublasLtHandle_t handle, int64_t k);
+  static absl::StatusOr<std::unique_ptr<CudaTileGemm>> Create(cublasLtHandle_t handle, int64_t k,
+                                                              TileGemmShape shape = {});
   ~CudaTileGemm();
   CudaTileGemm(const CudaTileGemm&) = delete;
   CudaTileGemm& operator=(const CudaTileGemm&) = delete;
 
   int64_t k() const { return k_; }
-  // out = x . w^T (accumulate: out += x . w^T). w: [kCudaVocabChunk, k] bf16 row-major, x:
-  // [kCudaRowTile, k] bf16 row-major, out: [kCudaRowTile, kCudaVocabChunk] fp32 row-major.
+  const TileGemmShape& shape() const { return shape_; }
+  // out = x . w^T (accumulate: out += x . w^T). w: [cols, k] bf16 row-major, x: [rows, k] bf16
+  // row-major, out: [rows, cols] fp32 row-major with leading dimension ld.
   // `workspace` holds kCublasWorkspaceBytes on the current device.
   absl::Status Run(cublasLtHandle_t handle, const uint16_t* w, const uint16_t* x, float* out,
                    bool accumulate, void* workspace, cudaStream_t stream) const;
@@ -51,6 +65,7 @@ class CudaTileGemm {
  private:
   CudaTileGemm() = default;
   int64_t k_ = 0;
+  TileGemmShape shape_;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr;
   cublasLtMatrixLayout_t b_ = nullptr;

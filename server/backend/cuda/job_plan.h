@@ -48,8 +48,10 @@ struct JobPlan {
   // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
   // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
   bool overlap_gemms = false;
-  int64_t tile_rows = 0;   // rows per tile (the last tile may hold fewer)
-  int64_t chunk_cols = 0;  // vocabulary columns per statistics launch
+  int64_t tile_rows = 0;  // rows per tile (the last tile may hold fewer)
+  // Vocabulary columns per statistics launch (hidden mode: the slot width, a whole number of GEMM
+  // chunks, CudaBackendOptions::hidden_stats_chunks).
+  int64_t chunk_cols = 0;
   kc::TileMessage msg;
   std::vector<bool> model_zero_copy;  // per rank: the model logits already live on its device
   std::vector<bool> ref_zero_copy;

@@ -40,7 +40,7 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
       // Otherwise two slots: the GEMMs fill one while the statistics read the other.
       d.n_slots = plan_.jsd_pass ? num_chunks_ : 2;
       off[3] = carver.Add(static_cast<size_t>(d.n_slots) * rows *
-                          static_cast<size_t>(kCudaVocabChunk) * sizeof(float));
+                          static_cast<size_t>(plan_.chunk_cols) * sizeof(float));
     }
   }
   offsets.emplace_back(&d, off);
@@ -186,14 +186,20 @@ absl::Status RankWorker::Prepare() {
   // asynchronous and the job waits once, at its end. Layout: ids, then the output block.
   io_outputs_at_ = (ids_count * sizeof(int32_t) + 255) / 256 * 256;
   LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_outputs_at_ + out_block_bytes_));
+  setup_ready_ = true;
+  return pipelined() ? absl::OkStatus() : IssueSetUpCopies();
+}
+
+// The job's small set-up copies go on the GEMM stream, where they run while the statistics kernel
+// runs; `stream` waits for them (IssueUploads) only after the first statistics launch. On the
+// statistics stream they sat between that kernel and the gather: ~4 us of copy latency on the
+// critical path.
+absl::Status RankWorker::IssueSetUpCopies() {
+  setup_issued_ = true;
+  const size_t ids_count = static_cast<size_t>(job_.rows) * static_cast<size_t>(job_.ids_per_row);
   if (ids_count > 0) {
     std::memcpy(rank_.host_io.data(), job_.target_ids.data(), ids_count * sizeof(int32_t));
   }
-  // The job's small set-up copies (target ids up, the bad-row sentinel) go on the GEMM stream
-  // now, where they run while the statistics kernel is launched and runs; the statistics stream
-  // waits for them (IssueUploads) only after its first statistics launch. On the statistics
-  // stream they sat between that kernel and the gather: ~4 us of copy latency on the critical
-  // path.
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
       cudaMemsetAsync(first_bad_, 0x7f, 2 * sizeof(int32_t), rank_.gemm_stream.get()));
   if (ids_count > 0) {
@@ -206,10 +212,13 @@ absl::Status RankWorker::Prepare() {
   return absl::OkStatus();
 }
 
-// The statistics stream waits for Prepare's set-up copies: after the first statistics launch
-// (nothing before the gather and the fold reads them, so that kernel never waits for them), and at
-// the latest in Finish, so that nothing queued outlives the job.
+// `stream` waits for the set-up copies: after the first statistics launch (nothing before the
+// gather and the fold reads them, so that kernel never waits for them), and at the latest in
+// Finish, so that nothing queued outlives the job.
 absl::Status RankWorker::IssueUploads() {
+  if (setup_ready_ && !setup_issued_) {
+    LOGITSERVE_RETURN_IF_ERROR(IssueSetUpCopies());
+  }
   if (!uploads_pending_) return absl::OkStatus();
   uploads_pending_ = false;
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.uploaded.get(), 0));
@@ -243,10 +252,10 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   // On gemm_stream, behind the previous tile's GEMMs (the only readers of raw and x_parts).
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(d.raw, src, bytes, cudaMemcpyDefault, gemm_stream()));
-  // Rows past `rows` become zeros: the GEMM always multiplies kCudaRowTile rows.
+  // Rows past `rows` become zeros: the GEMM always multiplies the row tile's rows.
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchSplitToBf16(
-      h.type, d.raw, h.cols, rows, h.cols, d.hidden_parts, d.x_parts, kCudaRowTile, d.head->k_pad,
-      static_cast<size_t>(kCudaRowTile * d.head->k_pad), gemm_stream()));
+      h.type, d.raw, h.cols, rows, h.cols, d.hidden_parts, d.x_parts, plan_.tile_rows,
+      d.head->k_pad, static_cast<size_t>(plan_.tile_rows * d.head->k_pad), gemm_stream()));
   return absl::OkStatus();
 }
 
@@ -270,27 +279,35 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
     }
     return src;
   }
-  // Hidden mode: chunk c of the head shard (whole kCudaVocabChunk rows, zero-padded).
-  float* slot = d.slots + slot_index * kCudaRowTile * kCudaVocabChunk;
+  // Hidden mode: slot columns [cc0, cc0 + chunk_cols) of the head shard, as whole GEMM chunks
+  // (kCudaVocabChunk weight rows each, zero-padded) side by side; the slot's chunks past the
+  // shard's padded rows are neither computed nor read.
+  float* slot = d.slots + slot_index * plan_.tile_rows * plan_.chunk_cols;
   const CudaHead& head = *d.head;
   const CudaHead::Shard& hs = head.shards[static_cast<size_t>(rank_.index)];
+  if (hs.gemm->shape().ld != plan_.chunk_cols || hs.gemm->shape().rows != plan_.tile_rows) {
+    return absl::InternalError("the head's tile GEMM does not match the job's slot width");
+  }
   if (compute) {
-    const size_t x_stride = static_cast<size_t>(kCudaRowTile * head.k_pad);
-    for (int j = 0; j < d.hidden_parts; ++j) {
-      for (int i = 0; i < head.parts; ++i) {
-        const uint16_t* w = head.Part(rank_.index, i) + cc0 * head.k_pad;
-        if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot,
-                                  /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
-                                  gemm_stream());
-            !s.ok()) {
-          return s;
+    const size_t x_stride = static_cast<size_t>(plan_.tile_rows * head.k_pad);
+    for (int64_t q = cc0; q < std::min(cc0 + plan_.chunk_cols, hs.padded_rows);
+         q += kCudaVocabChunk) {
+      for (int j = 0; j < d.hidden_parts; ++j) {
+        for (int i = 0; i < head.parts; ++i) {
+          const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
+          if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
+                                    /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
+                                    gemm_stream());
+              !s.ok()) {
+            return s;
+          }
         }
       }
     }
   }
   src.type = k::FloatType::kFloat32;
   src.data = slot;
-  src.ld = kCudaVocabChunk;
+  src.ld = plan_.chunk_cols;
   if (hs.bias.data() != nullptr) src.transform.bias = hs.bias.as<float>() + cc0;
   return src;
 }
@@ -304,7 +321,8 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
   const int64_t tile = row0 / plan_.tile_rows;
   slot_ = static_cast<int>(tile % 2);
   const size_t s = static_cast<size_t>(slot_);
-  const cudaStream_t stats = rank_.stats_streams[s].get();
+  const bool single = single_logits_tile();
+  const cudaStream_t stats = single ? stream() : rank_.stats_streams[s].get();
   auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
     return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
                       __LINE__);
@@ -340,9 +358,23 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchBlockStats(a, ref, rows, records, m.max_blocks, 0, stats));
     }
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.stats_done[s].get(), stats));
-    // The tail, on `stream`: behind the previous tile's tail, and this tile's statistics.
-    LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[s]));
+    if (single && model_.zero_copy) {
+      // The gather beside the statistics (it reads the model's logits in place, and the ids),
+      // behind the set-up copies that bring the ids.
+      LOGITSERVE_RETURN_IF_ERROR(IssueSetUpCopies());
+      if (job_.ids_per_row > 0) {
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
+            a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row,
+            reinterpret_cast<float*>(msg + m.target_offset), gemm_stream()));
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.uploaded.get(), gemm_stream()));
+      }
+      return IssueUploads();
+    }
+    if (!single) {
+      // The tail, on `stream`: behind the previous tile's tail, and this tile's statistics.
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.stats_done[s].get(), stats));
+      LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[s]));
+    }
     LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
     if (job_.ids_per_row > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(

@@ -129,15 +129,25 @@ class RankWorker final : public ShardedRank {
     // Pageable hidden states: two pinned host tiles [tile_rows][H] (tile t uses t % 2), filled by
     // the host thread while the GPU works on earlier tiles, then copied asynchronously.
     std::array<uint8_t*, 2> pinned{};
-    uint16_t* x_parts = nullptr;  // hidden_parts x [kCudaRowTile][k_pad]
-    float* slots = nullptr;       // n_slots x [kCudaRowTile][kCudaVocabChunk]
+    uint16_t* x_parts = nullptr;  // hidden_parts x [tile_rows][k_pad]
+    float* slots = nullptr;       // n_slots x [tile_rows][JobPlan::chunk_cols]
     int64_t n_slots = 0;
     kc::LoadTransform transform;
   };
 
   void SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                  std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets);
+  // The job's set-up copies (target ids up, the bad-row sentinel) on gemm_stream, then the
+  // `uploaded` event. Hidden mode issues them in Prepare (before the first GEMM); logits mode
+  // after its first statistics launch, so that their host-side calls (~2-3 us each) do not delay
+  // that kernel. IssueUploads issues them if nothing has, and makes `stream` wait for them.
+  absl::Status IssueSetUpCopies();
   absl::Status IssueUploads();
+  // One tile without top-k: its statistics run on `stream` itself (there is no previous tile's
+  // tail to overlap), and with the model's logits read in place its target gather runs on
+  // gemm_stream beside them (it reads only those logits and the ids), off the tail's critical
+  // path.
+  bool single_logits_tile() const { return pipelined() && num_tiles_ == 1 && job_.top_k == 0; }
   // The tile's input copies: logits staging on `logits_stream`, hidden rows on gemm_stream.
   absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows, cudaStream_t logits_stream);
   absl::Status ComputeHiddenTile(int64_t row0, int64_t rows);
@@ -226,6 +236,8 @@ class RankWorker final : public ShardedRank {
   std::array<size_t, 8> out_at_{};
   std::array<void*, 8> out_dst_{};  // where output i goes in result_
   size_t io_outputs_at_ = 0;        // where the output block's staging starts in rank_.host_io
+  bool setup_ready_ = false;        // Prepare laid out the workspace: the set-up copies may go
+  bool setup_issued_ = false;       // IssueSetUpCopies ran
   bool uploads_pending_ = false;
   kc::RowOutputs outputs_;
 };
