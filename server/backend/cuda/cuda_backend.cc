@@ -281,7 +281,23 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.ref_pageable_hidden =
       p.pair && job.reference.hidden_mode() && IsPageable(job.reference.hidden.data);
   if (p.any_hidden) {
-    p.tile_rows = HiddenRowTile();  // the GEMM's shape: fixed, whatever N
+    // The GEMM's shape: the full row tile, or for a job of fewer rows the shortest short tile
+    // that holds them and that every head's pinned GEMM runs (the same kernel: same bits).
+    p.tile_rows = HiddenRowTile();
+    for (const int64_t t : kCudaShortRowTiles) {
+      if (t >= p.tile_rows || t < job.rows) continue;
+      bool runs = true;
+      for (const DistributionInput* in : {&job.model, p.pair ? &job.reference : nullptr}) {
+        if (in == nullptr || !in->hidden_mode()) continue;
+        for (const CudaHead::Shard& hs : static_cast<const CudaHead*>(in->head.get())->shards) {
+          runs = runs && (hs.gemm == nullptr || hs.gemm->Runs(t));
+        }
+      }
+      if (runs) {
+        p.tile_rows = t;
+        break;
+      }
+    }
   } else {
     // Any tile size gives the same bits in logits mode (rows are independent); this one bounds
     // the staging memory and the per-tile message.

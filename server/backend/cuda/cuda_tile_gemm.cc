@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "server/backend/cuda/cuda_status.h"
 
 namespace logitserve {
@@ -23,8 +24,10 @@ T AlgoConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribute
 
 CudaTileGemm::~CudaTileGemm() {
   if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
-  if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
-  if (c_ != nullptr) cublasLtMatrixLayoutDestroy(c_);
+  for (const RowLayouts& r : rows_) {
+    if (r.b != nullptr) cublasLtMatrixLayoutDestroy(r.b);
+    if (r.c != nullptr) cublasLtMatrixLayoutDestroy(r.c);
+  }
   if (desc_ != nullptr) cublasLtMatmulDescDestroy(desc_);
 }
 
@@ -49,10 +52,16 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
       g->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
       cublasLtMatrixLayoutCreate(&g->a_, CUDA_R_16BF, k, shape.cols, k));
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(
-      cublasLtMatrixLayoutCreate(&g->b_, CUDA_R_16BF, k, shape.rows, k));
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(
-      cublasLtMatrixLayoutCreate(&g->c_, CUDA_R_32F, shape.cols, shape.rows, shape.ld));
+  auto add_rows = [&](int64_t rows) -> absl::Status {
+    RowLayouts& r = g->rows_.emplace_back();
+    r.rows = rows;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatrixLayoutCreate(&r.b, CUDA_R_16BF, k, rows, k));
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cublasLtMatrixLayoutCreate(&r.c, CUDA_R_32F, shape.cols, rows, shape.ld));
+    return absl::OkStatus();
+  };
+  LOGITSERVE_RETURN_IF_ERROR(add_rows(shape.rows));
+  cublasLtMatrixLayout_t b = g->rows_[0].b, c = g->rows_[0].c;
 
   cublasLtMatmulPreference_t pref = nullptr;
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulPreferenceCreate(&pref));
@@ -63,8 +72,8 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
   std::vector<cublasLtMatmulHeuristicResult_t> results(kRequested);
   int returned = 0;
   if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(handle, g->desc_, g->a_, g->b_, g->c_, g->c_, pref,
-                                        kRequested, results.data(), &returned);
+    st = cublasLtMatmulAlgoGetHeuristic(handle, g->desc_, g->a_, b, c, c, pref, kRequested,
+                                        results.data(), &returned);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   LOGITSERVE_RETURN_IF_CUDA_ERROR(st);
@@ -87,6 +96,23 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
   const auto& r = results[static_cast<size_t>(chosen)];
   g->algo_ = r.algo;
   g->workspace_bytes_ = r.workspaceSize;
+  // The short tiles the pinned algorithm runs as it is, within the workspace it already has.
+  std::string short_tiles;
+  for (const int64_t rows : kCudaShortRowTiles) {
+    if (rows >= shape.rows) continue;
+    LOGITSERVE_RETURN_IF_ERROR(add_rows(rows));
+    const RowLayouts& l = g->rows_.back();
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(handle, g->desc_, g->a_, l.b, l.c, l.c, &g->algo_, &check) !=
+            CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > g->workspace_bytes_) {
+      cublasLtMatrixLayoutDestroy(l.b);
+      cublasLtMatrixLayoutDestroy(l.c);
+      g->rows_.pop_back();
+      continue;
+    }
+    absl::StrAppend(&short_tiles, short_tiles.empty() ? "" : ", ", rows);
+  }
   g->description_ = absl::StrCat(
       "cuBLASLt bf16 GEMM m=", shape.cols, " n=", shape.rows, " k=", k, " ldc=", shape.ld,
       ": heuristic result ", chosen, " of ", returned, ", algo id ",
@@ -98,18 +124,33 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
       AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), ", custom ",
       AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), ", cluster ",
       AlgoConfig<uint16_t>(r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), ", waves ", r.wavesCount,
-      ", workspace ", r.workspaceSize, " B");
+      ", workspace ", r.workspaceSize,
+      " B; short row tiles: ", short_tiles.empty() ? "none" : short_tiles);
   return g;
 }
 
+bool CudaTileGemm::Runs(int64_t rows) const {
+  for (const RowLayouts& r : rows_) {
+    if (r.rows == rows) return true;
+  }
+  return false;
+}
+
 absl::Status CudaTileGemm::Run(cublasLtHandle_t handle, const uint16_t* w, const uint16_t* x,
-                               float* out, bool accumulate, void* workspace,
-                               cudaStream_t stream) const {
+                               float* out, bool accumulate, void* workspace, cudaStream_t stream,
+                               int64_t rows) const {
+  const RowLayouts* l = nullptr;
+  for (const RowLayouts& r : rows_) {
+    if (r.rows == (rows == 0 ? shape_.rows : rows)) l = &r;
+  }
+  if (l == nullptr) {
+    return absl::InternalError(absl::StrCat("CudaTileGemm: no ", rows, "-row tile"));
+  }
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmul(handle, desc_, &alpha, w, a_, x, b_, &beta, out,
-                                                 c_, out, c_, &algo_, workspace, workspace_bytes_,
-                                                 stream));
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmul(handle, desc_, &alpha, w, a_, x, l->b, &beta, out,
+                                                 l->c, out, l->c, &algo_, workspace,
+                                                 workspace_bytes_, stream));
   return absl::OkStatus();
 }
 

@@ -7,12 +7,16 @@
 // several chunks side by side into one slot and reads them back with one statistics launch.
 //
 // Determinism: within one backend the shape never changes (row tiles are padded to the backend's
-// row tile, the head's shard to whole chunks, and `ld` is the backend's slot width), and the
-// algorithm is chosen once per (device, k) from cuBLASLt's heuristic among results that use no
-// split-K (SPLITK_NUM == 1, no reduction scheme), then pinned: every call runs the same kernel with
-// the same K order for every output element, whatever the batch, the row's position in it, or the
-// shard layout. Accumulating (beta = 1) runs the same algorithm; adding a product that is exactly
-// zero leaves every bit of the output as it was.
+// row tile or to one of the short tiles below, the head's shard to whole chunks, and `ld` is the
+// backend's slot width), and the algorithm is chosen once per (device, k) from cuBLASLt's heuristic
+// among results that use no split-K (SPLITK_NUM == 1, no reduction scheme), then pinned: every call
+// runs the same kernel with the same K order for every output element, whatever the batch, the
+// row's position in it, or the shard layout. Accumulating (beta = 1) runs the same algorithm;
+// adding a product that is exactly zero leaves every bit of the output as it was. Short row tiles
+// (small jobs) run the very algorithm pinned for the full tile, on layouts with fewer rows: the
+// same kernel, whose K order for an output element does not depend on how many rows there are (no
+// split-K), so a row gets the same bits in either (the determinism suite checks a row alone against
+// it inside a 1500-row job, on the GPU).
 //
 // Thread safety: Run() may be called concurrently on different streams with different workspaces.
 #pragma once
@@ -23,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -34,6 +39,9 @@ namespace logitserve {
 inline constexpr int64_t kCudaRowTile = 1024;
 inline constexpr int64_t kCudaVocabChunk = 8192;            // vocabulary ids per GEMM (4 blocks)
 inline constexpr size_t kCublasWorkspaceBytes = 32u << 20;  // NVIDIA's recommendation for Hopper
+// Row tiles for jobs of fewer rows than the full tile (a 64-row job would otherwise multiply 1024
+// rows), where cuBLASLt accepts the pinned algorithm for them (cublasLtMatmulAlgoCheck).
+inline constexpr int64_t kCudaShortRowTiles[] = {128, 256, 512};
 
 // The shape of one tile GEMM: the backend's is always the default rows x cols (benchmarks try
 // others); ld is the output's leading dimension (>= cols).
@@ -54,11 +62,14 @@ class CudaTileGemm {
 
   int64_t k() const { return k_; }
   const TileGemmShape& shape() const { return shape_; }
+  // Whether Run takes `rows` (shape().rows, or a short tile cuBLASLt accepted).
+  bool Runs(int64_t rows) const;
   // out = x . w^T (accumulate: out += x . w^T). w: [cols, k] bf16 row-major, x: [rows, k] bf16
   // row-major, out: [rows, cols] fp32 row-major with leading dimension ld.
   // `workspace` holds kCublasWorkspaceBytes on the current device.
+  // `rows` = 0 means shape().rows; otherwise one that Runs() accepts.
   absl::Status Run(cublasLtHandle_t handle, const uint16_t* w, const uint16_t* x, float* out,
-                   bool accumulate, void* workspace, cudaStream_t stream) const;
+                   bool accumulate, void* workspace, cudaStream_t stream, int64_t rows = 0) const;
   // The pinned algorithm's configuration, for logs and benchmarks.
   const std::string& description() const { return description_; }
 
@@ -68,8 +79,13 @@ class CudaTileGemm {
   TileGemmShape shape_;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr;
-  cublasLtMatrixLayout_t b_ = nullptr;
-  cublasLtMatrixLayout_t c_ = nullptr;
+  // The x and output layouts per row count: [0] the full tile's, then the accepted short tiles.
+  struct RowLayouts {
+    int64_t rows = 0;
+    cublasLtMatrixLayout_t b = nullptr;
+    cublasLtMatrixLayout_t c = nullptr;
+  };
+  std::vector<RowLayouts> rows_;
   cublasLtMatmulAlgo_t algo_{};
   size_t workspace_bytes_ = 0;
   std::string description_;

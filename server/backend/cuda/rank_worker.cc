@@ -285,7 +285,7 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
   float* slot = d.slots + slot_index * plan_.tile_rows * plan_.chunk_cols;
   const CudaHead& head = *d.head;
   const CudaHead::Shard& hs = head.shards[static_cast<size_t>(rank_.index)];
-  if (hs.gemm->shape().ld != plan_.chunk_cols || hs.gemm->shape().rows != plan_.tile_rows) {
+  if (hs.gemm->shape().ld != plan_.chunk_cols || !hs.gemm->Runs(plan_.tile_rows)) {
     return absl::InternalError("the head's tile GEMM does not match the job's slot width");
   }
   if (compute) {
@@ -297,7 +297,7 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
           const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
           if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
                                     /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
-                                    gemm_stream());
+                                    gemm_stream(), plan_.tile_rows);
               !s.ok()) {
             return s;
           }
