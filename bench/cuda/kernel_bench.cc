@@ -14,7 +14,7 @@
 //
 // Hidden mode (N x H x V): policy + reference heads (bf16), outputs target logprobs + entropy of
 // both + forward KL, against two bare cuBLASLt bf16 GEMMs of the same shape (the best heuristic
-// algorithm, bf16 output); also the backend's fixed 512 x 8192 tile GEMMs alone (the GEMM cost of
+// algorithm, bf16 output); also the backend's fixed 1024 x 8192 tile GEMMs alone (the GEMM cost of
 // the pipeline without the statistics), one GPU with the hidden states in pageable host memory
 // (the service's case: copied per row tile), and two GPUs when visible (SPEC: >= 1.9x one GPU).
 //
@@ -646,7 +646,7 @@ int main(int argc, char** argv) {
       return ms;
     };
 
-    // The pipeline's own GEMMs alone: the fixed 512 x 8192 x H tiles, as many as one job runs
+    // The pipeline's own GEMMs alone: the fixed 1024 x 8192 x H tiles, as many as one job runs
     // (and, for comparison, taller tiles: --tile-gemm-rows).
     for (const int64_t gemm_rows : tile_gemm_rows) {
       cublasLtHandle_t lt;
