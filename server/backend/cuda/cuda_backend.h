@@ -101,8 +101,9 @@ struct CudaBackendOptions {
   // workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512 with 4 chunks 33.4, 8: 34.5; row tile
   // 2048 with 1-2 chunks 33.2-33.5. Never changes a result (the statistics are per block).
   int hidden_stats_chunks = 2;
-  // Hidden mode: rows of every tile GEMM (the row tile); 0 = kCudaRowTile. Fixed per backend,
-  // whatever the job's N (batch invariance: every row goes through the same GEMM shape).
+  // Hidden mode: rows of the tile GEMMs (the row tile); 0 = kCudaRowTile. Fixed per backend; a job
+  // of fewer rows multiplies one of the short tiles of cuda_tile_gemm.h instead, the same pinned
+  // algorithm (batch invariance: a row gets the same bits in either).
   int64_t hidden_row_tile = 0;
   // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
   // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
