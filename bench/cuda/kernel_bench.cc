@@ -18,6 +18,10 @@
 // the pipeline without the statistics), one GPU with the hidden states in pageable host memory
 // (the service's case: copied per row tile), and two GPUs when visible (SPEC: >= 1.9x one GPU).
 //
+// Long file: one program prints the whole side-by-side table of docs/PERFORMANCE.md (logits and
+// hidden mode, their floors and the configuration sweeps) from one run on one warm GPU; split, the
+// rows would come from different processes and GPU states.
+//
 // Exit status: 0, or 3 when any sampled row is outside the backstop tolerance
 // |err| <= 1e-4 + 1e-5 |x| (the tests hold far tighter, derived tolerances).
 #include <cublasLt.h>
