@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/pipeline.h"
 #include "client/request_split.h"
+#include "client/session_stream.h"
 #include "common/base/status_macros.h"
 #include "grpcpp/completion_queue.h"
 #include "grpcpp/create_channel.h"
@@ -64,6 +65,9 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(std::string target, ClientOptions options) {
   if (target.empty()) return absl::InvalidArgumentError("client target is empty");
+  if (options.session_streams < 0) {
+    return absl::InvalidArgumentError("ClientOptions.session_streams must be >= 0");
+  }
   if (options.max_attempts < 1) {
     return absl::InvalidArgumentError("ClientOptions.max_attempts must be >= 1");
   }
@@ -270,6 +274,39 @@ absl::Status Client::UnregisterSharedMemory(const std::string& name) {
   }));
 }
 
+Client::~Client() {
+  absl::MutexLock lock(&mu_);
+  idle_streams_.clear();  // cancels and drains them while the channel is still up
+}
+
+std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnSessionStream(
+    const v1::ScoreRequest& request) {
+  std::unique_ptr<SessionStream> stream;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!idle_streams_.empty()) {
+      stream = std::move(idle_streams_.back());
+      idle_streams_.pop_back();
+    }
+  }
+  if (stream == nullptr) {
+    stream = std::make_unique<SessionStream>(*pipeline_stubs_.front(), options_.bearer_token);
+  }
+  bool broken = false;
+  absl::StatusOr<v1::ScoreResponse> answer =
+      stream->Call(request, absl::Now() + options_.rpc_timeout, &broken);
+  if (broken) {
+    stream.reset();  // cancelled and drained
+    if (answer.status().code() == absl::StatusCode::kDeadlineExceeded) return answer;
+    return std::nullopt;
+  }
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int>(idle_streams_.size()) < options_.session_streams) {
+    idle_streams_.push_back(std::move(stream));
+  }
+  return answer;
+}
+
 absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& request) {
   // The request's tensor bytes go out as slices of `request` itself (client/pipeline.h): the
   // generated stub would first serialize a copy of every hidden byte into fresh buffers, on the
@@ -280,6 +317,10 @@ absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& requ
   if (CarriesTensorBytes(request)) {
     body = RequestBytes(request, RequestWithoutRows(request));
   } else {
+    if (options_.session_streams > 0) {
+      std::optional<absl::StatusOr<v1::ScoreResponse>> answer = ScoreOnSessionStream(request);
+      if (answer.has_value()) return *std::move(answer);
+    }
     bool own = false;
     const grpc::Status serialized =
         grpc::SerializationTraits<v1::ScoreRequest>::Serialize(request, &body, &own);

@@ -164,6 +164,10 @@ int main(int argc, char** argv) {
   app.add_option("--pipeline-streams", piped_options.pipeline_streams,
                  "Client pipelining: streams (connections)")
       ->capture_default_str();
+  app.add_option("--session-streams", piped_options.session_streams,
+                 "ClientOptions::session_streams: shared-memory calls over long-lived ScoreStreams "
+                 "(0 = unary calls)")
+      ->capture_default_str();
   app.add_option("--token", token, "Bearer token");
   int server_pid = 0;
   app.add_option("--server-pid", server_pid,

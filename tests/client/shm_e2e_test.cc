@@ -2,7 +2,9 @@
 // shared-memory object, registers it with the real server (auth on) and sends requests naming
 // region + offset. Results must be bitwise those of the same values sent as bytes (and match the
 // fp64 reference); every bad range, dtype, size, name and token is refused before a byte is read;
-// unregistering waits for the request reading the region.
+// unregistering waits for the request reading the region. Shared-memory calls go over the
+// client's long-lived session streams (client/session_stream.h): the same bits as unary calls,
+// each concurrent caller its own answer, the request's own errors, a deadline per call.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -26,6 +28,7 @@
 #include "logitserve/kernels/dtype.h"
 #include "tests/client/output_expect.h"
 #include "tests/service/e2e_support.h"
+#include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
 
 namespace logitserve::client {
@@ -366,6 +369,183 @@ TEST(SharedMemoryUnregisterE2ETest, WaitsForTheRequestReadingIt) {
   ASSERT_TRUE(want.ok()) << want.status();
   ExpectBitwiseEqual(*got, *want);
   EXPECT_EQ((*client)->Score(ShmRequest(name, kRows)).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A fresh object for `rows` rows of MakeInputs(rows, seed), registered through `client` under
+// the name Unique(what) (in *name); null on failure (a gtest failure).
+std::unique_ptr<SharedMemoryBuffer> RegisteredInputs(Client& client, const std::string& what,
+                                                     int64_t rows, uint64_t seed,
+                                                     std::string* name) {
+  auto shm = SharedMemoryBuffer::Create("/" + Unique(what), BytesOf(rows));
+  EXPECT_TRUE(shm.ok()) << shm.status();
+  if (!shm.ok()) return nullptr;
+  *name = Unique(what);
+  const absl::Status s = client.RegisterSharedMemory(*name, (*shm)->key(), 0, BytesOf(rows));
+  EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok()) return nullptr;
+  WriteInputs(MakeInputs(rows, seed), **shm);
+  return *std::move(shm);
+}
+
+// Session streams: the server counts every request a ScoreStream carried
+// (logitserve_requests_total{method="ScoreStream"}) and every unary Score apart.
+class SessionStreamE2ETest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = e2e::StartServerProcess({"--backend", "cpu", "--threads", "2", "--synthetic-head",
+                                       kHead.Flag(), "--metrics-listen", "127.0.0.1:0"});
+  }
+  static void TearDownTestSuite() { server_.reset(); }
+  static std::unique_ptr<Client> MakeClient(int session_streams) {
+    ClientOptions o = WithToken(nullptr);
+    o.session_streams = session_streams;
+    auto client = Client::Create(server_->address(), o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+  static double Count(const char* method, const char* code) {
+    absl::StatusOr<::logitserve::testing::Exposition> m =
+        ::logitserve::testing::ScrapeMetrics(server_->metrics_address());
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return -1;
+    return ::logitserve::testing::SampleValue(*m, "logitserve_requests_total",
+                                              {{"method", method}, {"code", code}})
+        .value_or(0.0);
+  }
+  static inline std::unique_ptr<ServerProcess> server_;
+};
+
+TEST_F(SessionStreamE2ETest, SharedMemoryCallsUseTheStreamWithTheBitsOfUnaryCalls) {
+  ASSERT_NE(server_, nullptr);
+  constexpr int64_t kRows = 9;
+  constexpr int kCalls = 20;
+  std::unique_ptr<Client> streamed = MakeClient(4), unary = MakeClient(0);
+  ASSERT_NE(streamed, nullptr);
+  ASSERT_NE(unary, nullptr);
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm = RegisteredInputs(*streamed, "session", kRows, 7, &name);
+  ASSERT_NE(shm, nullptr);
+
+  const double stream_before = Count("ScoreStream", "OK"), unary_before = Count("Score", "OK");
+  absl::StatusOr<ScoreOutput> want = unary->Score(ShmRequest(name, kRows));
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (int i = 0; i < kCalls; ++i) {
+    absl::StatusOr<ScoreOutput> got = streamed->Score(ShmRequest(name, kRows));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectBitwiseEqual(*got, *want);
+  }
+  // A request with tensor bytes stays unary.
+  absl::StatusOr<ScoreOutput> by_bytes = streamed->Score(BytesRequest(MakeInputs(kRows, 7), kRows));
+  ASSERT_TRUE(by_bytes.ok()) << by_bytes.status();
+  ExpectBitwiseEqual(*by_bytes, *want);
+  EXPECT_EQ(Count("ScoreStream", "OK") - stream_before, kCalls);
+  EXPECT_EQ(Count("Score", "OK") - unary_before, 2);
+  EXPECT_TRUE(streamed->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SessionStreamE2ETest, ConcurrentCallersEachGetTheirOwnAnswer) {
+  ASSERT_NE(server_, nullptr);
+  constexpr int kThreads = 6, kCalls = 10;
+  constexpr int64_t kRows = kThreads;  // thread t asks for the first t + 1 rows
+  std::unique_ptr<Client> streamed = MakeClient(2), unary = MakeClient(0);
+  ASSERT_NE(streamed, nullptr);
+  ASSERT_NE(unary, nullptr);
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm =
+      RegisteredInputs(*streamed, "concurrent", kRows, 8, &name);
+  ASSERT_NE(shm, nullptr);
+  // Rows [0, t + 1) of a region laid out for kRows rows: the ids start after all kRows rows.
+  auto request = [&](int64_t rows) {
+    v1::ScoreRequest req = ShmRequest(name, rows);
+    *req.mutable_target_ids() =
+        SharedMemoryTensor(name, kRows * kHead.hidden * 2, v1::DATA_TYPE_INT32, {rows});
+    return req;
+  };
+  std::vector<ScoreOutput> want;
+  for (int t = 0; t < kThreads; ++t) {
+    absl::StatusOr<ScoreOutput> w = unary->Score(request(t + 1));
+    ASSERT_TRUE(w.ok()) << w.status();
+    want.push_back(*std::move(w));
+  }
+  std::vector<int> wrong(kThreads, 0), failed(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kCalls; ++i) {
+        absl::StatusOr<ScoreOutput> got = streamed->Score(request(t + 1));
+        if (!got.ok()) {
+          ++failed[t];
+        } else if (got->rows != t + 1 || Bits(got->entropy) != Bits(want[t].entropy) ||
+                   got->top_k_ids != want[t].top_k_ids) {
+          ++wrong[t];
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(failed[t], 0) << "thread " << t;
+    EXPECT_EQ(wrong[t], 0) << "thread " << t;
+  }
+  EXPECT_TRUE(streamed->UnregisterSharedMemory(name).ok());
+}
+
+TEST_F(SessionStreamE2ETest, ARequestsOwnErrorLeavesTheStreamInUse) {
+  ASSERT_NE(server_, nullptr);
+  std::unique_ptr<Client> streamed = MakeClient(1), unary = MakeClient(0);
+  ASSERT_NE(streamed, nullptr);
+  ASSERT_NE(unary, nullptr);
+  const v1::ScoreRequest missing = ShmRequest(Unique("never-registered"), 2);
+  const double stream_before = Count("ScoreStream", "NOT_FOUND");
+  const absl::Status want = unary->Score(missing).status();
+  const absl::Status got = streamed->Score(missing).status();
+  EXPECT_EQ(want.code(), absl::StatusCode::kNotFound) << want;
+  EXPECT_EQ(got.code(), want.code()) << got;
+  EXPECT_EQ(got.message(), want.message());
+  EXPECT_THAT(got.message(), HasSubstr("hidden.shared_memory.region"));
+  EXPECT_EQ(Count("ScoreStream", "NOT_FOUND") - stream_before, 1)
+      << "the error must come from the stream, not from a unary retry";
+  // The same stream carries the next request.
+  constexpr int64_t kRows = 3;
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm =
+      RegisteredInputs(*streamed, "after-error", kRows, 9, &name);
+  ASSERT_NE(shm, nullptr);
+  const double ok_before = Count("ScoreStream", "OK");
+  EXPECT_TRUE(streamed->Score(ShmRequest(name, kRows)).ok());
+  EXPECT_EQ(Count("ScoreStream", "OK") - ok_before, 1);
+  EXPECT_TRUE(streamed->UnregisterSharedMemory(name).ok());
+}
+
+// A server that sleeps 1 s per 64 rows: a call with a 300 ms deadline ends at about the deadline
+// with DEADLINE_EXCEEDED, and the client's next call (a new stream) still works.
+TEST(SessionStreamDeadlineE2ETest, ACallEndsAtItsDeadline) {
+  std::unique_ptr<ServerProcess> server =
+      e2e::StartServerProcess({"--backend", "cpu", "--threads", "2", "--synthetic-head",
+                               kHead.Flag(), "--test-fault", "slow-tile:1000"});
+  ASSERT_NE(server, nullptr);
+  ClientOptions o = WithToken(nullptr);
+  o.rpc_timeout = absl::Milliseconds(300);
+  auto client = Client::Create(server->address(), o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  constexpr int64_t kRows = 64;
+  std::string name;
+  std::unique_ptr<SharedMemoryBuffer> shm =
+      RegisteredInputs(**client, "deadline", kRows, 10, &name);
+  ASSERT_NE(shm, nullptr);
+  for (int i = 0; i < 2; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status s = (*client)->Score(ShmRequest(name, kRows)).status();
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_LT(elapsed, std::chrono::milliseconds(900)) << "call " << i;
+  }
+  // Unregistering waits for the abandoned requests that still read the region (about 1 s each):
+  // longer than this client's deadline, so another client's.
+  auto patient = Client::Create(server->address(), WithToken(nullptr));
+  ASSERT_TRUE(patient.ok()) << patient.status();
+  const absl::Status unregistered = (*patient)->UnregisterSharedMemory(name);
+  EXPECT_TRUE(unregistered.ok()) << unregistered;
 }
 
 }  // namespace
