@@ -79,9 +79,9 @@ struct ClientOptions {
   // A request that carries no tensor bytes (every row tensor in shared memory) and needs no
   // split goes over a long-lived ScoreStream instead of a unary Score (client/session_stream.h):
   // ~0.1 ms less fixed cost a call on the build box. One stream per concurrent caller, at most
-  // session_streams of them kept open; 0 = always unary. A call that times out there is reported
-  // as DEADLINE_EXCEEDED (the server may still run it); a stream that fails is dropped and the
-  // call goes unary (with the retries below).
+  // session_streams of them kept open between calls; 0 = always unary. A call that times out is
+  // reported as DEADLINE_EXCEEDED (the server may still run it); a stream that fails is dropped
+  // and the call goes unary (with the retries below).
   int session_streams = 8;
 
   // Sent as "authorization: Bearer <token>" on every RPC when non-empty.
