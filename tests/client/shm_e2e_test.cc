@@ -116,6 +116,19 @@ void ExpectBitwiseEqual(const ScoreOutput& a, const ScoreOutput& b) {
   EXPECT_EQ(Bits(a.top_k_logprobs), Bits(b.top_k_logprobs));
 }
 
+// A fresh object of `bytes` bytes registered through `client` under the fresh name Unique(what)
+// (returned in *name); a failure is a gtest failure.
+std::unique_ptr<SharedMemoryBuffer> RegisteredObject(Client& client, const std::string& what,
+                                                     uint64_t bytes, std::string* name) {
+  auto shm = SharedMemoryBuffer::Create("/" + Unique(what), bytes);
+  EXPECT_TRUE(shm.ok()) << shm.status();
+  if (!shm.ok()) return nullptr;
+  *name = Unique(what);
+  const absl::Status s = client.RegisterSharedMemory(*name, (*shm)->key(), 0, bytes);
+  EXPECT_TRUE(s.ok()) << s;
+  return *std::move(shm);
+}
+
 class SharedMemoryE2ETest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -133,16 +146,9 @@ class SharedMemoryE2ETest : public ::testing::Test {
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
   }
-  // A fresh object of `bytes` bytes registered under a fresh name (returned in *name).
   std::unique_ptr<SharedMemoryBuffer> Registered(const std::string& what, uint64_t bytes,
                                                  std::string* name) {
-    auto shm = SharedMemoryBuffer::Create("/" + Unique(what), bytes);
-    EXPECT_TRUE(shm.ok()) << shm.status();
-    if (!shm.ok()) return nullptr;
-    *name = Unique(what);
-    const absl::Status s = client_->RegisterSharedMemory(*name, (*shm)->key(), 0, bytes);
-    EXPECT_TRUE(s.ok()) << s;
-    return *std::move(shm);
+    return RegisteredObject(*client_, what, bytes, name);
   }
 
   static inline std::unique_ptr<ServerProcess> server_;
@@ -371,20 +377,13 @@ TEST(SharedMemoryUnregisterE2ETest, WaitsForTheRequestReadingIt) {
   EXPECT_EQ((*client)->Score(ShmRequest(name, kRows)).status().code(), absl::StatusCode::kNotFound);
 }
 
-// A fresh object for `rows` rows of MakeInputs(rows, seed), registered through `client` under
-// the name Unique(what) (in *name); null on failure (a gtest failure).
+// RegisteredObject holding MakeInputs(rows, seed).
 std::unique_ptr<SharedMemoryBuffer> RegisteredInputs(Client& client, const std::string& what,
                                                      int64_t rows, uint64_t seed,
                                                      std::string* name) {
-  auto shm = SharedMemoryBuffer::Create("/" + Unique(what), BytesOf(rows));
-  EXPECT_TRUE(shm.ok()) << shm.status();
-  if (!shm.ok()) return nullptr;
-  *name = Unique(what);
-  const absl::Status s = client.RegisterSharedMemory(*name, (*shm)->key(), 0, BytesOf(rows));
-  EXPECT_TRUE(s.ok()) << s;
-  if (!s.ok()) return nullptr;
-  WriteInputs(MakeInputs(rows, seed), **shm);
-  return *std::move(shm);
+  std::unique_ptr<SharedMemoryBuffer> shm = RegisteredObject(client, what, BytesOf(rows), name);
+  if (shm != nullptr) WriteInputs(MakeInputs(rows, seed), *shm);
+  return shm;
 }
 
 // Session streams: the server counts every request a ScoreStream carried
