@@ -72,6 +72,16 @@ std::unique_ptr<Backend> Cpu() {
   return b.ok() ? *std::move(b) : nullptr;
 }
 
+// GPU 0 cut into `shards` vocabulary shards (0 = one) with logits-mode row tiles of `tile_rows`
+// (0 = by job).
+absl::StatusOr<std::unique_ptr<Backend>> TiledCuda(int shards, int64_t tile_rows) {
+  CudaBackendOptions o;
+  o.devices = {0};
+  o.shards = shards;
+  o.logits_tile_rows = tile_rows;
+  return CreateCudaBackend(o);
+}
+
 // Worst |gpu - cpu| / (1 + |cpu|) of one output; NaN and infinities must match exactly.
 void CompareOutput(const std::string& name, const std::vector<float>& gpu,
                    const std::vector<float>& cpu, int64_t per_row, double rel_tol) {
@@ -452,11 +462,7 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   for (int shards : {1, 2}) {
     for (int64_t tile_rows : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{16}}) {
       SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
-      CudaBackendOptions o;
-      o.devices = {0};
-      o.shards = shards;
-      o.logits_tile_rows = tile_rows;
-      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows);
       ASSERT_TRUE(b.ok()) << b.status();
       for (size_t i = 0; i < std::size(jobs); ++i) {
         SCOPED_TRACE(names[i]);
@@ -485,10 +491,7 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   const absl::StatusOr<ScoreResult> want = RunJob(*cpu, bad.job);
   ASSERT_FALSE(want.ok());
   for (int64_t tile_rows : {int64_t{1}, int64_t{16}}) {
-    CudaBackendOptions o;
-    o.devices = {0};
-    o.logits_tile_rows = tile_rows;
-    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+    absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(/*shards=*/0, tile_rows);
     ASSERT_TRUE(b.ok()) << b.status();
     const absl::StatusOr<ScoreResult> got = RunJob(**b, bad.job);
     ASSERT_FALSE(got.ok());
@@ -524,11 +527,7 @@ TEST(CudaDeterminism, LargeOutputsCopiedByThreads) {
   for (int shards : {1, 2}) {
     for (int64_t tile_rows : {int64_t{8192}, int64_t{0}, int64_t{7}, int64_t{300}}) {
       SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
-      CudaBackendOptions o;
-      o.devices = {0};
-      o.shards = shards;
-      o.logits_tile_rows = tile_rows;
-      absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows);
       ASSERT_TRUE(b.ok()) << b.status();
       LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
       LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
