@@ -358,14 +358,20 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchBlockStats(a, ref, rows, records, m.max_blocks, 0, stats));
     }
+    // The target logits of the tile's rows, read from `a`, into the message.
+    auto gather = [&](cudaStream_t on) -> absl::Status {
+      if (job_.ids_per_row == 0) return absl::OkStatus();
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchGatherTargets(a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row,
+                                  reinterpret_cast<float*>(msg + m.target_offset), on));
+      return absl::OkStatus();
+    };
     if (single && model_.zero_copy) {
       // The gather beside the statistics (it reads the model's logits in place, and the ids),
-      // behind the set-up copies that bring the ids.
+      // behind the set-up copies that bring the ids; `uploaded` then covers it too.
       LOGITSERVE_RETURN_IF_ERROR(IssueSetUpCopies());
       if (job_.ids_per_row > 0) {
-        LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
-            a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row,
-            reinterpret_cast<float*>(msg + m.target_offset), gemm_stream()));
+        LOGITSERVE_RETURN_IF_ERROR(gather(gemm_stream()));
         LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.uploaded.get(), gemm_stream()));
       }
       return IssueUploads();
@@ -376,11 +382,7 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[s]));
     }
     LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
-    if (job_.ids_per_row > 0) {
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          kc::LaunchGatherTargets(a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row,
-                                  reinterpret_cast<float*>(msg + m.target_offset), stream()));
-    }
+    LOGITSERVE_RETURN_IF_ERROR(gather(stream()));
     if (job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
