@@ -321,6 +321,22 @@ int main(int argc, char** argv) {
                 static_cast<long>(rows), static_cast<long>(vocab));
     std::printf("%-6s %-14s %10s %10s %10s %8s %7s\n", "dtype", "op", "time_ms", "GB/s", "floor_ms",
                 "ratio", "#wrong");
+    // A top-k Score returns rows * k (id, logprob) pairs on the host: the device-to-host copy of
+    // those bytes (into pinned memory, the fastest there is) bounds it from below, whatever the
+    // kernels do.
+    for (const int64_t k : {int64_t{64}, int64_t{1024}}) {
+      const size_t out = static_cast<size_t>(rows * k) * 8;
+      void* dev = DeviceAlloc(out);
+      void* host = nullptr;
+      CHECK_CUDA(cudaMallocHost(&host, out));
+      const double d2h = BestEventMs(stream, 2, iters, [&] {
+        CHECK_CUDA(cudaMemcpyAsync(host, dev, out, cudaMemcpyDeviceToHost, stream));
+      });
+      std::printf("top-k %ld outputs: %.1f MB device -> pinned host %.3f ms (%.1f GB/s)\n",
+                  static_cast<long>(k), out / 1e6, d2h, out / (d2h * 1e6));
+      cudaFreeHost(host);
+      cudaFree(dev);
+    }
     for (const std::string& dname : dtypes) {
       const FloatType t = dname == "fp32"
                               ? FloatType::kFloat32

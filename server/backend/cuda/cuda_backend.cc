@@ -33,6 +33,7 @@
 #include "server/backend/cuda/cuda_tile_gemm.h"
 #include "server/backend/cuda/device_resources.h"
 #include "server/backend/cuda/job_plan.h"
+#include "server/backend/cuda/job_trace.h"
 #include "server/backend/cuda/nccl_communicator.h"
 #include "server/backend/cuda/rank.h"
 #include "server/backend/cuda/rank_worker.h"
@@ -55,6 +56,7 @@ using cuda_internal::CudaHead;
 using cuda_internal::DeviceOf;
 using cuda_internal::IsPageable;
 using cuda_internal::JobPlan;
+using cuda_internal::JobTrace;
 using cuda_internal::JoinSideStreams;
 using cuda_internal::kMaxLogitsTileRows;
 using cuda_internal::kNoBadRow;
@@ -323,6 +325,13 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
 }
 
 absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
+  JobTrace::Begin();
+  struct TraceEnd {
+    ~TraceEnd() {
+      JobTrace::Mark("Score returns");
+      JobTrace::End();
+    }
+  } trace_end;
   LOGITSERVE_RETURN_IF_ERROR(Health());
   LOGITSERVE_RETURN_IF_ERROR(StartResult(job, result));
   if (job.rows == 0) return absl::OkStatus();
@@ -331,6 +340,7 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
     LOGITSERVE_RETURN_IF_ERROR(CheckHead(job.reference));
   }
   LOGITSERVE_ASSIGN_OR_RETURN(JobPlan plan, Plan(job));
+  JobTrace::Mark("planned");
 
   absl::MutexLock lock(&score_mu_);
   if (absl::Status h = Health(); !h.ok()) return h;  // failed while this job waited
@@ -347,6 +357,7 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
                       r == options_.test_fail_rank ? options_.test_fail_step : -1, fault_, result);
     // Prepare only allocates and uploads; the ranks agree on it before the first collective.
     absl::Status s = worker.Prepare();
+    if (r == 0) JobTrace::Mark("prepared");
     fatal_check(s);
     if (failure.Failed(-1, r, !s.ok())) {
       // Prepare's copy of the target ids may still be queued: let it finish.
@@ -355,6 +366,7 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
       return;
     }
     s = worker.Run();
+    if (r == 0) JobTrace::Mark("run queued");
     absl::Status f = worker.Finish(/*copy=*/s.ok(), first_bad);
     fatal_check(f);
     if (s.ok() && !f.ok()) failure.Note(r);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "server/backend/cuda/cuda_status.h"
+#include "server/backend/cuda/job_trace.h"
 
 namespace logitserve::cuda_internal {
 
@@ -351,6 +352,7 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
     }
     const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
     k::PairBlockStats* records = StatsOf(msg, m);
+    JobTrace::Mark("stats begin", stats);
     if (job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTopKLaneMax(a, ref, rows, records, m.max_blocks, 0,
                                                             job_.top_k, topk_scratch_[s], stats));
@@ -358,6 +360,7 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchBlockStats(a, ref, rows, records, m.max_blocks, 0, stats));
     }
+    JobTrace::Mark("stats end", stats);
     // The target logits of the tile's rows, read from `a`, into the message.
     auto gather = [&](cudaStream_t on) -> absl::Status {
       if (job_.ids_per_row == 0) return absl::OkStatus();
@@ -382,12 +385,14 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[s]));
     }
     LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
+    JobTrace::Mark("tail begin", stream());
     LOGITSERVE_RETURN_IF_ERROR(gather(stream()));
     if (job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchTopKSelect(a, rows, job_.top_k, lists, counts, topk_scratch_[s], stream()));
+      JobTrace::Mark("select end", stream());
     }
   } else if (job_.top_k > 0) {  // a shard without columns: empty lists
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
@@ -488,6 +493,7 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
       kc::LaunchFoldRows(tile, rows, row0, kc::FoldedRows{folded_a_, folded_b_}, first_bad_,
                          reports_ ? &outputs_ : nullptr, stream()));
+  JobTrace::Mark("fold end", stream());
   return absl::OkStatus();
 }
 
@@ -503,6 +509,7 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
                                                           *job_.jsd_beta, partial_send_,
                                                           plan_.max_blocks, local_block, stream()));
   }
+  JobTrace::Mark("jsd partials end", stream());
   // The next tile's GEMMs may overwrite the kept chunks now.
   if (plan_.any_hidden) {
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.slots_released.get(), stream()));
@@ -515,6 +522,7 @@ absl::Status RankWorker::JsdGatherAndFinish(int64_t row0, int64_t rows) {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdFinish(
       partial_recv_, static_cast<size_t>(plan_.tile_rows * plan_.max_blocks), plan_.max_blocks,
       plan_.shards, plan_.num_blocks, folded_a_, folded_b_, rows, row0, outputs_.jsd, stream()));
+  JobTrace::Mark("jsd finish end", stream());
   return absl::OkStatus();
 }
 
@@ -584,6 +592,7 @@ absl::Status RankWorker::WaitTile(int64_t tile) {
   const int64_t done = tile - depth;
   LOGITSERVE_RETURN_IF_ERROR(
       WaitFor(rank_.tile_done[static_cast<size_t>(done % kTileEvents)].get(), "row tile"));
+  JobTrace::Mark("waited for a tile");
   // Its outputs are in host_io (CopyTileOutputs): into the result now, on this thread, so that
   // Finish has only the last `depth` tiles left. (A job that fails after this discards them.)
   if (reports_ && copied_ == done) {
