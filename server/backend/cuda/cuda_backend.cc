@@ -582,8 +582,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
-    if (r == 0) {  // the reporting rank
-      rank->copy_pool = std::make_unique<CopyPool>(cuda_internal::MaxCopyThreads());
+    if (r == 0) {  // the reporting rank; its worker thread is the copy-back's first thread
+      rank->copy_pool = std::make_unique<CopyPool>(cuda_internal::MaxCopyThreads() - 1);
     }
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "server/backend/cuda/cuda_status.h"
+#include "server/backend/cuda/job_trace.h"
 #include "server/backend/cuda/rank_worker.h"
 
 namespace logitserve::cuda_internal {
@@ -110,6 +111,7 @@ absl::Status RankWorker::CopyTileOutputs(int64_t tile) {
   }
   LOGITSERVE_RETURN_IF_CUDA_ERROR(
       cudaEventRecord(rank_.tile_done[static_cast<size_t>(tile % kTileEvents)].get(), copy));
+  JobTrace::Mark("outputs copied", copy);
   return absl::OkStatus();
 }
 absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
@@ -143,13 +145,13 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
         if (waited[i].ok()) splits[j].Run(i);
       }
     };
-    if (n > 1 && rank_.copy_pool != nullptr && rank_.copy_pool->size() >= n) {
-      rank_.copy_pool->Start(n, run);
-      rank_.copy_pool->Wait();
+    if (n > 1 && rank_.copy_pool != nullptr && rank_.copy_pool->size() + 1 >= n) {
+      rank_.copy_pool->Run(n, run);
     } else {
       for (size_t i = 0; i < n; ++i) run(i);
     }
     for (absl::Status& w : waited) LOGITSERVE_RETURN_IF_ERROR(w);
+    JobTrace::Mark("host copies done");
     copied_ = num_tiles_;
     std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
   }
