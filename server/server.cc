@@ -2,6 +2,7 @@
 
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <utility>
@@ -333,8 +334,11 @@ int64_t Server::Shutdown(absl::Duration drain) {
   server_->GetHealthCheckService()->Shutdown();
   // Finish admitted work while still answering new calls ourselves (UNAVAILABLE: retry
   // elsewhere); grpc::Server::Shutdown would answer them CANCELLED.
+  // Admitted work is done when no request is queued or computing and no stream response is
+  // unsent (both count in admitted_bytes).
   const auto drain_deadline = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(drain);
-  while (service_->in_flight() > 0 && std::chrono::system_clock::now() < drain_deadline) {
+  auto busy = [&] { return service_->in_flight() > 0 || service_->admitted_bytes() > 0; };
+  while (busy() && std::chrono::system_clock::now() < drain_deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   const int64_t abandoned = service_->in_flight();
@@ -342,8 +346,14 @@ int64_t Server::Shutdown(absl::Duration drain) {
     spdlog::error("drain deadline ({} s) passed with {} request(s) in flight; cancelling them",
                   absl::ToDoubleSeconds(drain), abandoned);
   }
+  // What is still open now holds no admitted work: unary answers on their way out (kAnswerGrace
+  // lets them go) and idle calls (a client's session stream, a health Watch). gRPC's graceful
+  // shutdown would wait for those until the drain deadline; they are cancelled after the grace.
+  constexpr auto kAnswerGrace = std::chrono::seconds(2);
+  const auto shutdown_deadline =
+      std::min(drain_deadline, std::chrono::system_clock::now() + kAnswerGrace);
   spdlog::debug("shutting the server down");
-  server_->Shutdown(drain_deadline);
+  server_->Shutdown(shutdown_deadline);
   spdlog::debug("server shut down; stopping workers");
   service_->StopWorkers();
   return abandoned;

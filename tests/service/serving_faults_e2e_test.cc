@@ -357,5 +357,39 @@ TEST(LifecycleE2eTest, SigtermDrainsInFlightRefusesNewWorkAndExitsZero) {
   EXPECT_EQ(server->Stop(0, std::chrono::seconds(25)), 0);
 }
 
+// An idle call holds no admitted work: a client's session stream left open between calls (both
+// clients keep some) and a health Watch must not make the SIGTERM drain wait its whole timeout
+// (before: 10 s with --drain-timeout 10, for one idle stream). The stream first carries a request,
+// so it is open for real; after the signal it is ended by the server.
+TEST(LifecycleE2eTest, SigtermDoesNotWaitForIdleStreams) {
+  std::unique_ptr<ServerProcess> server = StartServer({"--drain-timeout", "30"});
+  ASSERT_NE(server, nullptr);
+  HealthWatch watch(server->address());
+  ASSERT_EQ(watch.Next(), HealthStatus::SERVING);
+  std::shared_ptr<grpc::Channel> channel = Connect(server->address());
+  auto stub = v1::Scorer::NewStub(channel);
+  grpc::ClientContext context;
+  auto stream = stub->ScoreStream(&context);
+  v1::ScoreStreamRequest message;
+  *message.mutable_request() = PolicyRequest(3, 90, "on-the-stream");
+  ASSERT_TRUE(stream->Write(message));
+  v1::ScoreStreamResponse answer;
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.status_code(), 0) << answer.status_message();
+  EXPECT_EQ(answer.request_id(), "on-the-stream");
+
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
+  EXPECT_EQ(server->Stop(0, std::chrono::seconds(25)), 0);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 10.0) << "the drain waited for idle calls";
+  // The stream was ended by the server, not left hanging.
+  EXPECT_FALSE(stream->Read(&answer));
+  const grpc::Status end = stream->Finish();
+  EXPECT_FALSE(end.ok());
+  watch.Cancel();
+}
+
 }  // namespace
 }  // namespace logitserve::e2e::serving
