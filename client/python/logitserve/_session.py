@@ -24,12 +24,17 @@ request may still run on the server; a unary call's cancellation would have stop
 Thread safety: a SessionStream belongs to one thread at a time (SessionPool hands each caller its
 own); only `Deadlines` touches it from another thread, through cancel(), which grpcio allows.
 SessionPool and Deadlines are thread-safe.
+
+AsyncClient: AioSessionPool, the same with grpc.aio's public stream API (on the event loop a
+stream call costs no extra threads, and asyncio.wait_for gives each call its deadline).
 """
 
+import asyncio
 import threading
 import time
 
 import grpc
+import grpc.aio
 
 from . import _wire
 from ._errors import DeadlineExceeded, error_for
@@ -319,3 +324,75 @@ class SessionPool:
         for stream in idle:
             stream.close()
         self._deadlines.close()
+
+
+class AioSessionPool:
+    """SessionPool for AsyncClient (grpc.aio), with the same contract. grpc.aio runs every call
+    on the event loop, so a stream needs no thread of its own and no watchdog: a ScoreStream
+    call in write mode per concurrent caller (task), `write` + `read` per request under
+    asyncio.wait_for for the call's own deadline. At most `size` streams are kept while idle.
+    Not thread-safe (the event loop's tasks only)."""
+
+    def __init__(self, method, metadata, size):
+        self._method = method  # channel.stream_stream(ScoreStream), WireRequest serializer
+        self._metadata = tuple(metadata)
+        self._size = int(size)
+        self._idle = []
+        self._closed = False
+
+    async def score(self, request, timeout):
+        """The ScoreResponse of `request` (a WireRequest without arrays), or None: go unary."""
+        if self._closed:
+            return None
+        call = self._idle.pop() if self._idle else self._method(metadata=self._metadata)
+
+        async def exchange():
+            await call.write(request)
+            return await call.read()
+
+        try:
+            if timeout is None:
+                answer = await exchange()
+            else:
+                answer = await asyncio.wait_for(exchange(), timeout)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise DeadlineExceeded(DEADLINE_DETAILS) from None
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            call.cancel()  # the stream failed (or had ended): drop it, go unary
+            return None
+        except BaseException:  # the caller's cancellation: the stream's state is unknown
+            call.cancel()
+            raise
+        if answer is grpc.aio.EOF:
+            call.cancel()
+            return None
+        if answer.status_code == grpc.StatusCode.UNAVAILABLE.value[0]:
+            call.cancel()
+            return None
+        if not self._closed and len(self._idle) < self._size:
+            self._idle.append(call)
+        else:
+            await self._close_call(call)
+        if answer.status_code:
+            raise error_for(answer.status_code, answer.status_message)
+        return answer.response
+
+    @staticmethod
+    async def _close_call(call, grace=CLOSE_GRACE_S):
+        try:
+            await call.done_writing()
+            await asyncio.wait_for(call.code(), grace)
+        except (asyncio.TimeoutError, grpc.RpcError, asyncio.InvalidStateError,
+                grpc.aio.UsageError):
+            call.cancel()
+
+    def idle(self):
+        return len(self._idle)
+
+    async def close(self):
+        """Half-closes every idle stream and waits (up to CLOSE_GRACE_S) for the server to end
+        it; a stream in use is closed when its call returns."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(self._close_call(c) for c in idle))
