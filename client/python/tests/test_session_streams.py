@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 
@@ -62,16 +63,22 @@ def metered(heads):
         yield s
 
 
+# Every way a request that reached the server can end here.
+ENDED = ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE")
+
+
 class _Counts:
-    """Score / ScoreStream requests the server finished with `code` since construction."""
+    """Score / ScoreStream requests the server finished with `code` (or any of a tuple of
+    codes) since construction."""
 
     def __init__(self, server, code="OK"):
-        self.server, self.code = server, code
+        self.server = server
+        self.codes = (code,) if isinstance(code, str) else tuple(code)
         self.before = self._now()
 
     def _now(self):
-        return (finished_rpcs(self.server.metrics_address, "Score", self.code),
-                finished_rpcs(self.server.metrics_address, "ScoreStream", self.code))
+        return tuple(sum(finished_rpcs(self.server.metrics_address, method, code)
+                         for code in self.codes) for method in ("Score", "ScoreStream"))
 
     def delta(self):
         now = self._now()
@@ -217,8 +224,8 @@ def test_a_call_ends_at_its_deadline_and_its_stream_is_dropped(heads):
             logitserve.Client(s.address, timeout=30) as patient:
         region, h, t = _region(patient, bits, ids)
         with region:
+            counts = _Counts(s, ENDED)
             for i in range(2):
-                counts = _Counts(s, "OK")
                 t0 = time.monotonic()
                 with pytest.raises(logitserve.DeadlineExceeded) as e:
                     c.score(head="policy", hidden=h, target_ids=t)
@@ -226,7 +233,10 @@ def test_a_call_ends_at_its_deadline_and_its_stream_is_dropped(heads):
                 assert 0.25 < elapsed < 0.8, "call %d took %.3f s" % (i, elapsed)
                 assert e.value.code.name == "DEADLINE_EXCEEDED"
                 assert c._sessions.idle() == 0  # discarded, not kept
-                assert counts.delta()["Score"] == 0  # no unary fallback after the deadline
+            # Both went over a stream (the server ends them when their tile is done), and no
+            # unary call followed them.
+            assert _eventually(lambda: counts.delta()["ScoreStream"] == 2)
+            assert counts.delta() == {"Score": 0, "ScoreStream": 2}
             # The abandoned requests still run on the server (about 1 s each); the patient
             # client's next call opens a stream of its own and gets its answer.
             counts = _Counts(s)
@@ -294,3 +304,82 @@ def test_close_ends_the_streams_cleanly(metered):
     assert [s.final_status for s in streams] == [0] * len(streams)
     assert _eventually(lambda: _open_call_states(metered.metrics_address) == open_before)
     assert not [th for th in threading.enumerate() if th.name == "logitserve-deadlines"]
+
+
+# ---- AsyncClient -------------------------------------------------------------------------------
+
+def test_async_client_uses_session_streams_with_unary_bits_errors_and_close(metered):
+    import asyncio
+    bits, ids = _inputs(ROWS, seed=28)
+    args = dict(head="policy", entropy=True, top_k=4)
+    bad = dict(head="policy", temperature=0.0)
+    with logitserve.Client(metered.address, session_streams=0, max_retries=0) as unary:
+        region, h, t = _region(unary, bits, ids)
+        with region:
+            want = unary.score(hidden=h, target_ids=t, **args)
+            with pytest.raises(logitserve.InvalidArgument) as want_error:
+                unary.score(hidden=h, target_ids=t, **bad)
+
+            async def main():
+                async with logitserve.AsyncClient(metered.address, max_retries=0,
+                                                  session_streams=2) as a:
+                    counts = _Counts(metered)
+                    for _ in range(5):
+                        _assert_same_bits(await a.score(hidden=h, target_ids=t, **args), want)
+                    assert counts.delta() == {"Score": 0, "ScoreStream": 5}
+                    assert a._sessions.idle() == 1
+
+                    # Eight concurrent tasks: eight streams, two kept; every answer its own.
+                    def sub(k):
+                        return dict(hidden=region.tensor(h.offset, (k + 1, H), "bf16"),
+                                    target_ids=region.tensor(t.offset, (k + 1,), "int32"), **args)
+                    counts = _Counts(metered)
+                    got = await asyncio.gather(*(a.score(**sub(k)) for k in range(8)))
+                    for k, r in enumerate(got):
+                        np.testing.assert_array_equal(_bits(r.entropy), _bits(want.entropy[:k + 1]))
+                    assert counts.delta() == {"Score": 0, "ScoreStream": 8}
+                    assert a._sessions.idle() == 2
+
+                    counts = _Counts(metered, "INVALID_ARGUMENT")
+                    with pytest.raises(logitserve.InvalidArgument) as got_error:
+                        await a.score(hidden=h, target_ids=t, **bad)
+                    assert str(got_error.value) == str(want_error.value)
+                    assert counts.delta() == {"Score": 0, "ScoreStream": 1}
+                    assert a._sessions.idle() == 2
+                    kept = list(a._sessions._idle)
+                # close() half-closed the kept streams and the server ended them with OK (a
+                # cancelled one would be CANCELLED).
+                return [await c.code() for c in kept]
+
+            assert asyncio.run(main()) == [grpc.StatusCode.OK] * 2
+
+            async def unary_only():
+                async with logitserve.AsyncClient(metered.address, session_streams=0) as a:
+                    counts = _Counts(metered)
+                    await a.score(hidden=h, target_ids=t, **args)
+                    assert counts.delta() == {"Score": 1, "ScoreStream": 0}
+
+            asyncio.run(unary_only())
+
+
+def test_async_client_call_ends_at_its_deadline(heads):
+    import asyncio
+    bits, ids = _inputs(4, seed=29)
+    with Server(heads.flags() + ["--test-fault", "slow-tile:1000",
+                                 "--metrics-listen", "127.0.0.1:0"]) as s, \
+            logitserve.Client(s.address, timeout=30) as patient:
+        region, h, t = _region(patient, bits, ids)
+        with region:
+            counts = _Counts(s, ENDED)
+
+            async def main():
+                async with logitserve.AsyncClient(s.address, timeout=0.3, max_retries=0) as a:
+                    t0 = time.monotonic()
+                    with pytest.raises(logitserve.DeadlineExceeded):
+                        await a.score(head="policy", hidden=h, target_ids=t)
+                    elapsed = time.monotonic() - t0
+                    assert 0.25 < elapsed < 0.8, elapsed
+                    assert a._sessions.idle() == 0
+            asyncio.run(main())
+            assert _eventually(lambda: counts.delta()["ScoreStream"] == 1)
+            assert counts.delta() == {"Score": 0, "ScoreStream": 1}
