@@ -7,14 +7,14 @@ instead (the C++ client's client/session_stream.h, in Python).
 
 Why grpcio's core calls and not `channel.stream_stream`: a grpcio stream call reads its request
 iterator on a thread of its own and delivers answers from the channel's polling thread, so each
-request is handed between threads (each time taking the GIL) three times: caller -> iterator
-thread, polling thread -> iterator thread (write done), polling thread -> caller (answer).
-Measured on the 2-core build box against the real server, that made a streamed call cost more
-client CPU than a unary one (docs/PERFORMANCE.md, "Python session streams"). A SessionStream is what grpcio's own blocking
-unary call is made of: a call with a completion queue of its own (`segregated_call`), written to
-and polled by the calling thread alone, so a request and its answer never leave that thread.
-Those are grpcio internals (`grpc._cython.cygrpc`); `supported()` checks that they are there,
-and without them (or when a stream cannot be started) Client simply stays unary.
+request is handed between threads (each time taking the GIL) three times: caller -> iterator thread,
+polling thread -> iterator thread (write done), polling thread -> caller (answer). Measured on the
+2-core build box against the real server, that made a streamed call cost more client CPU than a
+unary one (docs/PERFORMANCE.md, "Python session streams"). A SessionStream is what grpcio's own
+blocking unary call is made of: a call with a completion queue of its own (`segregated_call`),
+written to and polled by the calling thread alone, so a request and its answer never leave that
+thread. Those are grpcio internals (`grpc._cython.cygrpc`); `supported()` checks that they are
+there, and without them (or when a stream cannot be started) Client simply stays unary.
 
 Deadline: the stream has none; each call has its own. grpcio's completion queue cannot be
 polled with a timeout, so a per-client watchdog thread (`Deadlines`) cancels the stream of a call
@@ -26,7 +26,7 @@ own); only `Deadlines` touches it from another thread, through cancel(), which g
 SessionPool and Deadlines are thread-safe.
 
 AsyncClient: AioSessionPool, the same with grpc.aio's public stream API (on the event loop a
-stream call costs no extra threads, and asyncio.wait_for gives each call its deadline).
+stream call costs no extra threads, and a loop timer cancels a call's stream at its deadline).
 """
 
 import asyncio
@@ -329,9 +329,9 @@ class SessionPool:
 class AioSessionPool:
     """SessionPool for AsyncClient (grpc.aio), with the same contract. grpc.aio runs every call
     on the event loop, so a stream needs no thread of its own and no watchdog: a ScoreStream
-    call in write mode per concurrent caller (task), `write` + `read` per request under
-    asyncio.wait_for for the call's own deadline. At most `size` streams are kept while idle.
-    Not thread-safe (the event loop's tasks only)."""
+    call in write mode per concurrent caller (task), `write` + `read` per request, and a loop
+    timer that cancels the stream at the call's own deadline. At most `size` streams are kept
+    while idle. Not thread-safe (the event loop's tasks only)."""
 
     def __init__(self, method, metadata, size):
         self._method = method  # channel.stream_stream(ScoreStream), WireRequest serializer
@@ -345,32 +345,34 @@ class AioSessionPool:
         if self._closed:
             return None
         call = self._idle.pop() if self._idle else self._method(metadata=self._metadata)
-
-        async def exchange():
-            await call.write(request)
-            return await call.read()
-
+        # The deadline cancels the stream from a timer (cheaper than asyncio.wait_for, which
+        # runs the exchange as a task of its own); the cancelled read raises CancelledError.
+        expired = []
+        timer = None
+        if timeout is not None:
+            def expire():
+                expired.append(True)
+                call.cancel()
+            timer = asyncio.get_running_loop().call_later(timeout, expire)
         try:
-            if timeout is None:
-                answer = await exchange()
-            else:
-                answer = await asyncio.wait_for(exchange(), timeout)
-        except asyncio.TimeoutError:
+            await call.write(request)
+            answer = await call.read()
+        except BaseException as e:
             call.cancel()
-            raise DeadlineExceeded(DEADLINE_DETAILS) from None
-        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            call.cancel()  # the stream failed (or had ended): drop it, go unary
+            if expired:  # CancelledError (or CANCELLED) from the timer's cancellation
+                raise DeadlineExceeded(DEADLINE_DETAILS) from None
+            if isinstance(e, (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError)):
+                return None  # the stream failed (or had ended): drop it, go unary
+            raise  # the caller's own cancellation: the stream's state is unknown
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if answer is grpc.aio.EOF or answer.status_code == grpc.StatusCode.UNAVAILABLE.value[0]:
+            call.cancel()  # the stream ended, or the server is draining: go unary
             return None
-        except BaseException:  # the caller's cancellation: the stream's state is unknown
-            call.cancel()
-            raise
-        if answer is grpc.aio.EOF:
-            call.cancel()
-            return None
-        if answer.status_code == grpc.StatusCode.UNAVAILABLE.value[0]:
-            call.cancel()
-            return None
-        if not self._closed and len(self._idle) < self._size:
+        if expired:  # answered just as the timer fired: the answer stands, the stream is gone
+            pass
+        elif not self._closed and len(self._idle) < self._size:
             self._idle.append(call)
         else:
             await self._close_call(call)
