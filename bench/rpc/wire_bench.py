@@ -52,7 +52,8 @@ def main():
     ap.add_argument("--shm-only", action="store_true",
                     help="only compute and the shared-memory calls (fixed cost per call)")
     ap.add_argument("--session-streams", type=int, default=8,
-                    help="Client(session_streams=): shm calls over kept-open ScoreStreams; 0 = unary")
+                    help="Client(session_streams=): shm calls over kept-open ScoreStreams; "
+                         "0 = unary")
     ap.add_argument("--transfer-json", help="logitserve-wire-bench --json output (transfer_ms)")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -188,8 +188,9 @@ def test_a_requests_own_error_is_the_unary_error_and_keeps_the_stream(metered):
             streamed.score(head="policy", hidden=h, target_ids=t)
             (stream,) = streamed._sessions._idle
             bad = [
-                (logitserve.NotFound, dict(head="policy", target_ids=t, hidden=logitserve.SharedTensor(
-                    "never-registered", 0, "bf16", (ROWS, H)))),
+                (logitserve.NotFound, dict(head="policy", target_ids=t,
+                                           hidden=logitserve.SharedTensor(
+                                               "never-registered", 0, "bf16", (ROWS, H)))),
                 (logitserve.InvalidArgument, dict(head="policy", hidden=h, target_ids=t,
                                                   temperature=-1.0)),
                 (logitserve.NotFound, dict(head="no-such-head", hidden=h, target_ids=t)),
