@@ -231,7 +231,7 @@ def test_a_call_ends_at_its_deadline_and_its_stream_is_dropped(heads):
                 with pytest.raises(logitserve.DeadlineExceeded) as e:
                     c.score(head="policy", hidden=h, target_ids=t)
                 elapsed = time.monotonic() - t0
-                assert 0.25 < elapsed < 0.8, "call %d took %.3f s" % (i, elapsed)
+                assert 0.25 < elapsed < 0.9, "call %d took %.3f s" % (i, elapsed)
                 assert e.value.code.name == "DEADLINE_EXCEEDED"
                 assert c._sessions.idle() == 0  # discarded, not kept
             # Both went over a stream (the server ends them when their tile is done), and no
@@ -379,7 +379,7 @@ def test_async_client_call_ends_at_its_deadline(heads):
                     with pytest.raises(logitserve.DeadlineExceeded):
                         await a.score(head="policy", hidden=h, target_ids=t)
                     elapsed = time.monotonic() - t0
-                    assert 0.25 < elapsed < 0.8, elapsed
+                    assert 0.25 < elapsed < 0.9, elapsed
                     assert a._sessions.idle() == 0
             asyncio.run(main())
             assert _eventually(lambda: counts.delta()["ScoreStream"] == 1)
