@@ -15,10 +15,16 @@ states, int32 target ids [N], entropy).
             threads, grpcio's included): with the GIL, what bounds the e2e rate of one process;
             cli/MiB the pipelined one per MiB of request
   shm       one score() reading the same values from a SharedMemoryRegion; shm / compute <= 1.1
-            meets target 3
+            meets target 3. shm_cmp: the server's compute_us of those calls; shm_fixed: the rest
+            of each call's wall time (wall - queue_us - compute_us, median), what a call costs
+            beyond the server's compute; rtt_ms: a grpc.health.v1 Check (median), the unary
+            round trip; cli_shm: this process's CPU ms per shm call. The shm calls go over
+            session streams (--session-streams, the client's default 8; 0 = unary calls)
+  --shm-only  just compute + the shm path (no pipelined or rate runs): the fixed cost per call
 Pipelined and shared-memory results must equal the unsplit one bit for bit (`wrong` otherwise).
 
   python3 bench/rpc/wire_bench.py --target 127.0.0.1:50051 --rows 64,1024,8192 [--json F]
+  python3 bench/rpc/wire_bench.py --rows 64,256 --iters 401 --shm-only --session-streams 0|8
 """
 
 import argparse
@@ -43,9 +49,17 @@ def main():
     ap.add_argument("--pipeline-streams", type=int, default=2)
     ap.add_argument("--token", default=None)
     ap.add_argument("--no-shm", action="store_true")
+    ap.add_argument("--shm-only", action="store_true",
+                    help="only compute and the shared-memory calls (fixed cost per call)")
+    ap.add_argument("--session-streams", type=int, default=8,
+                    help="Client(session_streams=): shm calls over kept-open ScoreStreams; "
+                         "0 = unary")
     ap.add_argument("--transfer-json", help="logitserve-wire-bench --json output (transfer_ms)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.shm_only and args.no_shm:
+        print("--shm-only and --no-shm exclude each other", file=sys.stderr)
+        return 2
     try:
         global np
         import numpy as np
@@ -62,9 +76,10 @@ def main():
     piped = logitserve.Client(args.target, token=args.token, timeout=600,
                               pipeline_chunk_bytes=args.pipeline_chunk_bytes,
                               pipeline_depth=args.pipeline_depth,
-                              pipeline_streams=args.pipeline_streams)
+                              pipeline_streams=args.pipeline_streams,
+                              session_streams=args.session_streams)
     unpiped = logitserve.Client(args.target, token=args.token, timeout=600,
-                                pipeline_chunk_bytes=0)
+                                pipeline_chunk_bytes=0, session_streams=args.session_streams)
     heads = unpiped.list_heads()
     head = heads[args.head]
     V, H = head.vocab_size, head.hidden_size
@@ -74,13 +89,15 @@ def main():
         malloc_state = lambda: "n/a"  # noqa: E731
     print("backend %s, head %s (V = %d, H = %d), Python client, pipelining %d-byte chunks x %d "
           "in flight x %d streams; %d iterations (medians), rates over >= %.1f s; large "
-          "allocations kept: %s" % (
+          "allocations kept: %s; session streams: %d%s" % (
               heads.backend, args.head, V, H, args.pipeline_chunk_bytes, args.pipeline_depth,
-              args.pipeline_streams, args.iters, args.rate_seconds, malloc_state()))
-    print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %6s %9s %11s %7s" % (
-        "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
-        "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "wrong", "cli_piped",
-        "cli_unpiped", "cli/MiB"))
+              args.pipeline_streams, args.iters, args.rate_seconds, malloc_state(),
+              args.session_streams, "; shm only" if args.shm_only else ""))
+    print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %7s %9s %6s %7s %6s %9s "
+          "%11s %7s" % (
+              "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
+              "unpiped_ms", "transfer_ms", "sgl/max", "shm_ms", "shm/cmp", "shm_cmp",
+              "shm_fixed", "rtt_ms", "cli_shm", "wrong", "cli_piped", "cli_unpiped", "cli/MiB"))
     results = []
     total_wrong = 0
     for n in [int(x) for x in args.rows.split(",")]:
@@ -97,6 +114,7 @@ def main():
 
         ref = unpiped.score(**req)  # warm-up and reference bits
         compute, unp, single, shm = [], [], [], []
+        shm_compute, shm_fixed, rtt, cli_shm = [], [], [], None
         cpu0 = time.process_time()
         for _ in range(args.iters):
             t0 = time.perf_counter()
@@ -104,25 +122,39 @@ def main():
             unp.append((time.perf_counter() - t0) * 1e3)
             compute.append(r.compute_us / 1e3)
         cpu_unpiped = (time.process_time() - cpu0) * 1e3 / args.iters
-        piped.score(**req)
-        cpu0 = time.process_time()
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            r = piped.score(**req)
-            single.append((time.perf_counter() - t0) * 1e3)
-            wrong += 0 if same(r, ref) else 1
-        cpu_piped = (time.process_time() - cpu0) * 1e3 / args.iters
+        cpu_piped = None
+        if not args.shm_only:
+            piped.score(**req)
+            cpu0 = time.process_time()
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                r = piped.score(**req)
+                single.append((time.perf_counter() - t0) * 1e3)
+                wrong += 0 if same(r, ref) else 1
+            cpu_piped = (time.process_time() - cpu0) * 1e3 / args.iters
         if not args.no_shm:
             with logitserve.SharedMemoryRegion(unpiped, bits.nbytes + ids.nbytes + 128) as region:
                 h = region.put(bits)
                 t = region.put(ids, offset=h.end)
                 unpiped.score(head=args.head, hidden=h, target_ids=t, entropy=True)
+                for i in range(-1, args.iters):  # -1: warm-up
+                    t0 = time.perf_counter()
+                    unpiped.health()
+                    if i >= 0:
+                        rtt.append((time.perf_counter() - t0) * 1e3)
+                cpu0 = time.process_time()
                 for _ in range(args.iters):
                     t0 = time.perf_counter()
                     r = unpiped.score(head=args.head, hidden=h, target_ids=t, entropy=True)
-                    shm.append((time.perf_counter() - t0) * 1e3)
+                    wall = (time.perf_counter() - t0) * 1e3
+                    shm.append(wall)
+                    shm_compute.append(r.compute_us / 1e3)
+                    shm_fixed.append(wall - (r.queue_us + r.compute_us) / 1e3)
                     wrong += 0 if same(r, ref) else 1
+                cli_shm = (time.process_time() - cpu0) * 1e3 / args.iters
         threads = args.concurrency or int(min(32, max(2, 4096 // n)))
+        if args.shm_only:
+            threads = 0
         scored = [0]
         lock = threading.Lock()
         stop = threading.Event()
@@ -138,50 +170,61 @@ def main():
                 with lock:
                     scored[0] += len(r.entropy)
 
-        t0 = time.perf_counter()
-        pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
-        for p in pool:
-            p.start()
-        while (time.perf_counter() - t0 < args.rate_seconds or scored[0] < 4 * n * threads) \
-                and not errors:
-            time.sleep(0.02)
-        stop.set()
-        for p in pool:
-            p.join()
-        elapsed = time.perf_counter() - t0
-        if errors:
-            print("e2e error: %s" % errors[0], file=sys.stderr)
-            wrong += len(errors)
-        e2e = scored[0] / elapsed
+        e2e = None
+        if threads:
+            t0 = time.perf_counter()
+            pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+            for p in pool:
+                p.start()
+            while (time.perf_counter() - t0 < args.rate_seconds or
+                   scored[0] < 4 * n * threads) and not errors:
+                time.sleep(0.02)
+            stop.set()
+            for p in pool:
+                p.join()
+            elapsed = time.perf_counter() - t0
+            if errors:
+                print("e2e error: %s" % errors[0], file=sys.stderr)
+                wrong += len(errors)
+            e2e = scored[0] / elapsed
+        median = lambda v: statistics.median(v) if v else None  # noqa: E731
         c_ms = statistics.median(compute)
-        s_ms = statistics.median(single)
+        s_ms = median(single)
         x_ms = transfer.get(n)
-        m_ms = statistics.median(shm) if shm else None
+        m_ms = median(shm)
         rate = n / (c_ms / 1e3)
         mib = (bits.nbytes + ids.nbytes) / 2 ** 20
-        sgl = s_ms / max(c_ms, x_ms) if x_ms else None
+        sgl = s_ms / max(c_ms, x_ms) if x_ms and s_ms else None
         fmt = lambda v, f: (f % v) if v is not None else "-"  # noqa: E731
-        print("%6d %7.2f %10.3f %11.0f %11.0f %4d %7.3f %9.3f %10.3f %11s %7s %8s %7s %6d %9.1f "
-              "%11.1f %7.3f" % (
-                  n, mib, c_ms, rate, e2e, threads, e2e / rate, s_ms, statistics.median(unp),
-                  fmt(x_ms, "%.3f"), fmt(sgl, "%.3f"), fmt(m_ms, "%.3f"),
-                  fmt(m_ms / c_ms if m_ms else None, "%.3f"), wrong, cpu_piped, cpu_unpiped,
-                  cpu_piped / mib))
+        print("%6d %7.2f %10.3f %11.0f %11s %4d %7s %9s %10.3f %11s %7s %8s %7s %7s %9s %6s %7s "
+              "%6d %9s %11.1f %7s" % (
+                  n, mib, c_ms, rate, fmt(e2e, "%.0f"), threads,
+                  fmt(e2e / rate if e2e else None, "%.3f"), fmt(s_ms, "%.3f"),
+                  statistics.median(unp), fmt(x_ms, "%.3f"), fmt(sgl, "%.3f"), fmt(m_ms, "%.3f"),
+                  fmt(m_ms / c_ms if m_ms else None, "%.3f"), fmt(median(shm_compute), "%.3f"),
+                  fmt(median(shm_fixed), "%.3f"), fmt(median(rtt), "%.3f"),
+                  fmt(cli_shm, "%.3f"), wrong, fmt(cpu_piped, "%.1f"), cpu_unpiped,
+                  fmt(cpu_piped / mib if cpu_piped is not None else None, "%.3f")))
         sys.stdout.flush()
         results.append(dict(rows=n, compute_ms=c_ms, compute_tokens_per_s=rate,
-                            e2e_tokens_per_s=e2e, e2e_threads=threads, e2e_over_compute=e2e / rate,
+                            e2e_tokens_per_s=e2e, e2e_threads=threads,
+                            e2e_over_compute=e2e / rate if e2e else None,
                             single_ms=s_ms, unpipelined_ms=statistics.median(unp),
                             transfer_ms=x_ms, single_over_max_compute_transfer=sgl, shm_ms=m_ms,
-                            shm_over_compute=m_ms / c_ms if m_ms else None, wrong=wrong,
+                            shm_over_compute=m_ms / c_ms if m_ms else None,
+                            shm_compute_ms=median(shm_compute), shm_fixed_ms=median(shm_fixed),
+                            health_rtt_ms=median(rtt), client_cpu_ms_shm=cli_shm, wrong=wrong,
                             client_cpu_ms_pipelined=cpu_piped,
                             client_cpu_ms_unpipelined=cpu_unpiped,
-                            client_cpu_ms_per_mib_pipelined=cpu_piped / mib))
+                            client_cpu_ms_per_mib_pipelined=(cpu_piped / mib
+                                                             if cpu_piped is not None else None)))
         total_wrong += wrong
     print("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(client="python", backend=heads.backend, head=args.head, vocab_size=V,
                            hidden_size=H, iters=args.iters, pid=os.getpid(),
+                           session_streams=args.session_streams, shm_only=args.shm_only,
                            large_allocations_kept=malloc_state(), results=results),
                       f, indent=2)
     piped.close()

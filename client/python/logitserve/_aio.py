@@ -5,7 +5,7 @@ import asyncio
 import grpc
 import grpc.aio
 
-from . import _api, _pb, _wire
+from . import _api, _pb, _session, _wire
 from ._client import _Settings
 from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
 
@@ -14,18 +14,20 @@ class AsyncClient:
     """asyncio logitserve client; arguments as Client. Create it inside a running event loop
     (grpc.aio channels bind to it); `async with AsyncClient(...) as c:` closes the channel.
     Chunks of a request split by the server's limits run concurrently after the first; large
-    requests are pipelined over ScoreStream as in Client."""
+    requests are pipelined over ScoreStream as in Client. Requests without tensor bytes go over
+    session streams as in Client (one per concurrent task, session_streams kept while idle)."""
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True):
+                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True,
+                 session_streams=8):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
                             pipeline_chunk_bytes, pipeline_depth, pipeline_streams,
-                            keep_large_allocations)
+                            keep_large_allocations, session_streams)
         if self._s.tls is not None:
             self._channel = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
                                                     options=self._s.options)
@@ -56,6 +58,10 @@ class AsyncClient:
                              request_serializer=_wire.serialize_stream_request,
                              response_deserializer=_wire.parse_stream_response)
             for ch in self._pipeline_channels]
+        self._sessions = None
+        if self._s.session_streams > 0:
+            self._sessions = _session.AioSessionPool(self._score_stream, self._s.metadata(),
+                                                     self._s.session_streams)
         self._limits = None
         self._limits_lock = asyncio.Lock()
 
@@ -64,6 +70,8 @@ class AsyncClient:
         return self._s.target
 
     async def close(self):
+        if self._sessions is not None:
+            await self._sessions.close()  # half-closes the idle streams while the channel is up
         for ch in self._pipeline_channels:
             await ch.close()
         await self._channel.close()
@@ -123,11 +131,11 @@ class AsyncClient:
                 return await self._score_pipelined(request, meta, pipelined)
             chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
         if len(chunks) == 1:
-            return _api.assemble([await self._call(self._score, request)], chunks, meta,
+            return _api.assemble([await self._score_once(request)], chunks, meta,
                                  request.request_id)
         async def run(chunk):
             try:
-                return await self._call(self._score, _api.chunk_request(request, chunk))
+                return await self._score_once(_api.chunk_request(request, chunk))
             except LogitserveError as e:
                 raise _api.chunk_error(e, chunk, meta.rows, len(chunks)) from None
 
@@ -135,6 +143,14 @@ class AsyncClient:
         _api.pin_versions(request, first, meta)
         rest = await asyncio.gather(*[run(c) for c in chunks[1:]])
         return _api.assemble([first] + list(rest), chunks, meta, request.request_id)
+
+    async def _score_once(self, request):
+        """As Client._score_once."""
+        if self._sessions is not None and not request.arrays:
+            response = await self._sessions.score(request, self._s.timeout)
+            if response is not None:
+                return response
+        return await self._call(self._score, request)
 
     async def _score_pipelined(self, request, meta, chunks):
         """As Client._score_pipelined, on the event loop: chunk i on stream i % streams."""

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from . import _api, _malloc, _pb, _wire
+from . import _api, _malloc, _pb, _session, _wire
 from ._errors import DeadlineExceeded, LogitserveError, from_rpc_error
 
 
@@ -84,7 +84,8 @@ class _Settings:
     def __init__(self, target, token, admin_token, tls, timeout, max_retries, initial_backoff,
                  max_backoff, backoff_multiplier, load_balancing, split_requests,
                  max_rows_per_request, channel_options, pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True):
+                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True,
+                 session_streams=8):
         if max_retries < 0 or initial_backoff < 0 or max_backoff < initial_backoff or \
                 backoff_multiplier < 1:
             raise ValueError("need max_retries >= 0, 0 <= initial_backoff <= max_backoff and "
@@ -103,6 +104,9 @@ class _Settings:
         self.pipeline_chunk_bytes = int(pipeline_chunk_bytes or 0)
         self.pipeline_depth = max(1, int(pipeline_depth))
         self.pipeline_streams = max(1, int(pipeline_streams))
+        if session_streams is None or int(session_streams) < 0:
+            raise ValueError("session_streams must be >= 0")
+        self.session_streams = int(session_streams)
         self.options = _api.channel_options(self.lb_policy, initial_backoff, max_backoff,
                                             channel_options)
         if keep_large_allocations:
@@ -166,18 +170,31 @@ class Client:
                      keeps up to 256 MiB of freed heap per malloc arena). Skipped when the
                      process sets its own (GLIBC_TUNABLES, MALLOC_*_) or
                      LOGITSERVE_KEEP_LARGE_ALLOCATIONS=0. See logitserve/_malloc.py.
+      session_streams
+                     a Score call that carries no tensor bytes (every row tensor a SharedTensor;
+                     each chunk of one split by the server's limits too) goes as one message of
+                     a ScoreStream kept open between calls instead of a unary Score (less fixed
+                     cost per call; docs/PERFORMANCE.md, "Python session streams"): one stream per
+                     concurrent caller thread, at most session_streams (8) kept open while idle;
+                     0 = always unary. Each call keeps its own deadline (`timeout`; past it:
+                     DeadlineExceeded, and that stream is discarded; the server may still run
+                     the request), a request's own error is raised as the unary call raises it,
+                     and a stream that fails is dropped and the call goes unary (with its
+                     retries). Results are those of unary calls, bit for bit. See
+                     logitserve/_session.py.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
-                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True):
+                 pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True,
+                 session_streams=8):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
                             pipeline_chunk_bytes, pipeline_depth, pipeline_streams,
-                            keep_large_allocations)
+                            keep_large_allocations, session_streams)
         if self._s.tls is not None:
             self._channel = grpc.secure_channel(self._s.target, self._s.tls.credentials(),
                                                 options=self._s.options)
@@ -210,6 +227,11 @@ class Client:
                            response_deserializer=_wire.parse_score_response)
             for ch in [self._channel] + self._pipeline_channels]
         self._sender_pool = None
+        # Session streams for requests without tensor bytes (on the main channel).
+        self._sessions = None
+        if self._s.session_streams > 0:
+            self._sessions = _session.SessionPool(self._channel, self._s.metadata(),
+                                                  self._s.session_streams)
         self._limits = None
         self._lock = threading.Lock()
 
@@ -222,6 +244,8 @@ class Client:
             pool, self._sender_pool = self._sender_pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        if self._sessions is not None:
+            self._sessions.close()  # half-closes the idle streams while the channel is up
         for ch in self._pipeline_channels:
             ch.close()
         self._channel.close()
@@ -294,17 +318,27 @@ class Client:
                 return self._score_pipelined(request, meta, pipelined)
             chunks = _api.plan_chunks(request, meta, max_rows, max_bytes)
         if len(chunks) == 1:
-            return _api.assemble([self._call(self._score, request)], chunks, meta,
-                                 request.request_id)
+            return _api.assemble([self._score_once(request)], chunks, meta, request.request_id)
         responses = []
         for i, chunk in enumerate(chunks):
             try:
-                responses.append(self._call(self._score, _api.chunk_request(request, chunk)))
+                responses.append(self._score_once(_api.chunk_request(request, chunk)))
             except LogitserveError as e:
                 raise _api.chunk_error(e, chunk, meta.rows, len(chunks)) from None
             if i == 0:
                 _api.pin_versions(request, responses[0], meta)
         return _api.assemble(responses, chunks, meta, request.request_id)
+
+    def _score_once(self, request):
+        """One Score RPC's response: over a session stream when the request carries no tensor
+        bytes and the client keeps session streams (see logitserve/_session.py), else unary; a
+        request a session stream could not answer goes unary."""
+        if self._sessions is not None and not request.arrays:
+            response = self._sessions.score(_wire.serialize_stream_request(request),
+                                            self._s.timeout)
+            if response is not None:
+                return response
+        return self._call(self._score, request)
 
     def _score_pipelined(self, request, meta, chunks):
         """The chunks as unary Score calls kept in flight together: chunk i on connection
