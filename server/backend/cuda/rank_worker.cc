@@ -187,7 +187,7 @@ absl::Status RankWorker::Prepare() {
   // asynchronous and the job waits once, at its end. Layout: ids, then the output block.
   io_outputs_at_ = (ids_count * sizeof(int32_t) + 255) / 256 * 256;
   LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_outputs_at_ + out_block_bytes_));
-  setup_ready_ = true;
+  setup_ = SetUp::kReady;
   return pipelined() ? absl::OkStatus() : IssueSetUpCopies();
 }
 
@@ -196,7 +196,7 @@ absl::Status RankWorker::Prepare() {
 // statistics stream they sat between that kernel and the gather: ~4 us of copy latency on the
 // critical path.
 absl::Status RankWorker::IssueSetUpCopies() {
-  setup_issued_ = true;
+  setup_ = SetUp::kIssuing;
   const size_t ids_count = static_cast<size_t>(job_.rows) * static_cast<size_t>(job_.ids_per_row);
   if (ids_count > 0) {
     std::memcpy(rank_.host_io.data(), job_.target_ids.data(), ids_count * sizeof(int32_t));
@@ -209,7 +209,7 @@ absl::Status RankWorker::IssueSetUpCopies() {
                         cudaMemcpyHostToDevice, rank_.gemm_stream.get()));
   }
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.uploaded.get(), rank_.gemm_stream.get()));
-  uploads_pending_ = true;
+  setup_ = SetUp::kPending;
   return absl::OkStatus();
 }
 
@@ -217,11 +217,11 @@ absl::Status RankWorker::IssueSetUpCopies() {
 // gather and the fold reads them, so that kernel never waits for them), and at the latest in
 // Finish, so that nothing queued outlives the job.
 absl::Status RankWorker::IssueUploads() {
-  if (setup_ready_ && !setup_issued_) {
+  if (setup_ == SetUp::kReady) {
     LOGITSERVE_RETURN_IF_ERROR(IssueSetUpCopies());
   }
-  if (!uploads_pending_) return absl::OkStatus();
-  uploads_pending_ = false;
+  if (setup_ != SetUp::kPending) return absl::OkStatus();
+  setup_ = SetUp::kJoined;
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream(), rank_.uploaded.get(), 0));
   return absl::OkStatus();
 }

@@ -236,9 +236,16 @@ class RankWorker final : public ShardedRank {
   std::array<size_t, 8> out_at_{};
   std::array<void*, 8> out_dst_{};  // where output i goes in result_
   size_t io_outputs_at_ = 0;        // where the output block's staging starts in rank_.host_io
-  bool setup_ready_ = false;        // Prepare laid out the workspace: the set-up copies may go
-  bool setup_issued_ = false;       // IssueSetUpCopies ran
-  bool uploads_pending_ = false;
+  // The job's set-up copies (IssueSetUpCopies) and `stream`'s wait for them (IssueUploads), in
+  // this order.
+  enum class SetUp {
+    kNotLaidOut,  // Prepare has not laid out the workspace: nothing may be copied yet
+    kReady,       // laid out; the copies are not issued
+    kIssuing,     // IssueSetUpCopies started (and may have failed part-way): never again
+    kPending,     // issued and `uploaded` recorded; `stream` has not waited for them yet
+    kJoined,      // `stream` waits for them
+  };
+  SetUp setup_ = SetUp::kNotLaidOut;
   kc::RowOutputs outputs_;
 };
 
