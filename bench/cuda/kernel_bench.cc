@@ -321,6 +321,20 @@ int main(int argc, char** argv) {
                 static_cast<long>(rows), static_cast<long>(vocab));
     std::printf("%-6s %-14s %10s %10s %10s %8s %7s\n", "dtype", "op", "time_ms", "GB/s", "floor_ms",
                 "ratio", "#wrong");
+    // L2's read bandwidth (the budget of a fused GEMM + statistics kernel's operand reads):
+    // buffers that fit in L2, read 20 times per launch.
+    for (const size_t mb : {size_t{16}, size_t{32}}) {
+      const size_t bytes = mb << 20;
+      void* buf = DeviceAlloc(bytes);
+      CHECK_CUDA(cudaMemset(buf, 1, bytes));
+      constexpr int kPasses = 20;
+      const double ms = BestEventMs(stream, 2, iters, [&] {
+        CHECK_CUDA(logitserve::bench::ReadResident(buf, bytes, kPasses, sink, stream));
+      });
+      std::printf("L2 read, %zu MiB resident x %d passes: %.3f ms = %.2f TB/s\n", mb, kPasses, ms,
+                  kPasses * static_cast<double>(bytes) / (ms * 1e9));
+      cudaFree(buf);
+    }
     // A top-k Score returns rows * k (id, logprob) pairs on the host: the device-to-host copy of
     // those bytes (into pinned memory, the fastest there is) bounds it from below, whatever the
     // kernels do.
