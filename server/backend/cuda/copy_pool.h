@@ -7,6 +7,7 @@
 // Thread safety: Run is called by one thread (the rank's worker) at a time.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -38,22 +39,25 @@ class CopyPool {
 
   size_t size() const { return threads_.size(); }
 
-  // Runs fn(i) for every i < n (n <= size() + 1): fn(0) on the calling thread, the others on the
-  // pool's threads; returns when all have. The caller polls for the pool's part (yielding for the
-  // first 2 ms, then napping 50 us) instead of blocking on the mutex: the end of a job's copies is
-  // its caller's critical path, and a blocked thread wakes tens of microseconds late (a top-k = 64
-  // job of 8192 rows on the H200 machine ended ~80 us after its last device-to-host copy).
+  // Runs fn(i) for every i < n: fn(1) .. fn(size()) on the pool's threads, fn(0) and any beyond
+  // the pool's size on the calling thread; returns when all have. The caller polls for the
+  // pool's part (yielding for the first 2 ms, then napping 50 us) instead of blocking on the
+  // mutex: the end of a job's copies is its caller's critical path, and a blocked thread wakes
+  // tens of microseconds late (a top-k = 64 job of 8192 rows on the H200 machine ended ~80 us
+  // after its last device-to-host copy).
   // REQUIRES: no run in progress (one thread calls Run at a time).
-  void Run(size_t n, std::function<void(size_t)> fn) {
+  void Run(size_t n, const std::function<void(size_t)>& fn) {
     if (n == 0) return;
-    if (n > 1) {
+    const size_t pooled = std::min(n - 1, threads_.size());
+    if (pooled > 0) {
       absl::MutexLock lock(&mu_);
       fn_ = fn;
-      n_ = n - 1;
-      running_.store(n - 1, std::memory_order_relaxed);
+      n_ = pooled;
+      running_.store(pooled, std::memory_order_relaxed);
       ++generation_;
     }
     fn(0);
+    for (size_t i = pooled + 1; i < n; ++i) fn(i);
     const auto start = std::chrono::steady_clock::now();
     while (running_.load(std::memory_order_acquire) != 0) {
       if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(2)) {

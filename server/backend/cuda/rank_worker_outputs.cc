@@ -145,7 +145,7 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
         if (waited[i].ok()) splits[j].Run(i);
       }
     };
-    if (n > 1 && rank_.copy_pool != nullptr && rank_.copy_pool->size() + 1 >= n) {
+    if (n > 1 && rank_.copy_pool != nullptr) {
       rank_.copy_pool->Run(n, run);
     } else {
       for (size_t i = 0; i < n; ++i) run(i);
