@@ -48,6 +48,20 @@ def _open_call_states(metrics_address):
             values["logitserve_call_states_released_total"])
 
 
+def _settled_call_states(metrics_address, steady=0.2, seconds=10.0):
+    """_open_call_states once it has stayed the same for `steady` seconds: the server releases
+    the state of a call that just ended (the test's own unary calls, an earlier test's streams)
+    a little after the client saw its answer, and a baseline taken before that counts it."""
+    end = time.monotonic() + seconds
+    value, since = _open_call_states(metrics_address), time.monotonic()
+    while time.monotonic() - since < steady and time.monotonic() < end:
+        time.sleep(0.02)
+        now = _open_call_states(metrics_address)
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def _eventually(predicate, seconds=10.0):
     end = time.monotonic() + seconds
     while not predicate():
@@ -148,7 +162,7 @@ def test_concurrent_callers_each_get_their_own_answer(metered):
 
             want = [unary.score(**inputs(k)) for k in range(threads)]
             counts = _Counts(metered)
-            open_before = _open_call_states(metered.metrics_address)
+            open_before = _settled_call_states(metered.metrics_address)
             wrong, failed = [0] * threads, []
             start = threading.Barrier(threads)
 
@@ -280,7 +294,7 @@ def test_a_broken_stream_is_dropped_and_the_call_goes_unary(heads):
 
 def test_close_ends_the_streams_cleanly(metered):
     bits, ids = _inputs(ROWS, seed=27)
-    open_before = _open_call_states(metered.metrics_address)
+    open_before = _settled_call_states(metered.metrics_address)
     c = logitserve.Client(metered.address, session_streams=3)
     region, h, t = _region(c, bits, ids)
     start = threading.Barrier(3)
