@@ -4,10 +4,11 @@ target parsing and channel options. No I/O here."""
 import ipaddress
 import random
 import re
+import struct
 
 import numpy as np
 
-from . import _pb
+from . import _pb, _wire
 from ._errors import FailedPrecondition, InvalidArgument, Internal, error_for
 from ._shm import SharedTensor
 from ._tensors import as_array, dtype_enum, dtype_name, float_array, float_tensor, id_array, slice_rows
@@ -177,7 +178,165 @@ def build_request(head=None, hidden=None, target_ids=None, reference_head=None,
                   dtype=None, request_id=None):
     """(WireRequest, _Meta) from Client.score's arguments. Only encodes: the server validates
     (its INVALID_ARGUMENT messages name the field and row). Row tensors given as arrays stay
-    arrays (copied once, when serialized); a SharedTensor names its shared-memory bytes."""
+    arrays (copied once, when serialized); a SharedTensor names its shared-memory bytes.
+
+    The request is encoded straight to ScoreRequest bytes (_build_encoded: the bytes protobuf
+    would serialize, from parts cached between calls); arguments it does not take as they are,
+    and every error, go through the ScoreRequest message instead (_build_message), so errors are
+    protobuf's and numpy's own, raised in argument order."""
+    args = (head, hidden, target_ids, reference_head, reference_hidden, logits, reference_logits,
+            entropy, reference_entropy, forward_kl, reverse_kl, jsd_beta, top_k, temperature,
+            reference_temperature, ignore_index, sequence_lengths, head_version,
+            reference_head_version, dtype, request_id)
+    try:
+        return _build_encoded(*args)
+    except Exception:  # noqa: BLE001 - the message path raises the argument's own error
+        return _build_message(*args)
+
+
+class _OptionParts:
+    """The ScoreRequest bytes of the fields other than the row tensors, request_id and
+    sequence_lengths, in four runs of field order (head; head_version and reference_head;
+    reference_head_version; ignore_index .. reference_temperature), and what _Meta takes from
+    them."""
+
+    __slots__ = ("head", "versions", "reference_version", "rest", "top_k", "outputs",
+                 "has_head", "has_reference_head")
+
+
+# _OptionParts by the arguments that made them (see _option_parts); cleared when full.
+_OPTION_CACHE = {}
+_OPTION_CACHE_MAX = 256
+_DOUBLE = struct.Struct("<d")
+
+
+def _float_key(value):
+    # By its bits: -0.0 == 0.0, and NaNs differ in payload, yet they encode differently.
+    return None if value is None else _DOUBLE.pack(float(value))
+
+
+def _option_parts(head, reference_head, head_version, reference_head_version, ignore_index,
+                  top_k, entropy, reference_entropy, forward_kl, reverse_kl, jsd_beta,
+                  temperature, reference_temperature):
+    # Equal numbers convert to equal field values (int(), bool()), so they share an entry;
+    # floats are keyed by their bits. An unhashable argument raises TypeError here.
+    key = (head, reference_head, head_version, reference_head_version, ignore_index, top_k,
+           entropy, reference_entropy, forward_kl, reverse_kl, _float_key(jsd_beta),
+           _float_key(temperature), _float_key(reference_temperature))
+    parts = _OPTION_CACHE.get(key)
+    if parts is not None:
+        return parts
+    # The setters of _build_message, each on a message of its own part.
+    pb2 = _pb.pb2()
+    a, b, c, d = (pb2.ScoreRequest() for _ in range(4))
+    if head:
+        a.head = head
+    if head_version is not None:
+        b.head_version = int(head_version)
+    if reference_head:
+        b.reference_head = reference_head
+    if reference_head_version is not None:
+        c.reference_head_version = int(reference_head_version)
+    if ignore_index is not None:
+        d.ignore_index = int(ignore_index)
+    d.top_k = int(top_k or 0)
+    d.entropy = bool(entropy)
+    d.reference_entropy = bool(reference_entropy)
+    d.forward_kl = bool(forward_kl)
+    d.reverse_kl = bool(reverse_kl)
+    if jsd_beta is not None:
+        d.jsd_beta = float(jsd_beta)
+    if temperature is not None:
+        d.temperature = float(temperature)
+    if reference_temperature is not None:
+        d.reference_temperature = float(reference_temperature)
+    parts = _OptionParts()
+    parts.head = a.SerializeToString()
+    parts.versions = b.SerializeToString()
+    parts.reference_version = c.SerializeToString()
+    parts.rest = d.SerializeToString()
+    parts.top_k = d.top_k
+    parts.outputs = {"entropy": d.entropy, "reference_entropy": d.reference_entropy,
+                     "forward_kl": d.forward_kl, "reverse_kl": d.reverse_kl,
+                     "jsd": jsd_beta is not None}
+    parts.has_head = bool(head)
+    parts.has_reference_head = bool(reference_head)
+    if len(_OPTION_CACHE) >= _OPTION_CACHE_MAX:
+        _OPTION_CACHE.clear()
+    _OPTION_CACHE[key] = parts
+    return parts
+
+
+class _Refused(Exception):
+    """An argument _build_encoded does not encode itself."""
+
+
+def _build_encoded(head, hidden, target_ids, reference_head, reference_hidden, logits,
+                   reference_logits, entropy, reference_entropy, forward_kl, reverse_kl,
+                   jsd_beta, top_k, temperature, reference_temperature, ignore_index,
+                   sequence_lengths, head_version, reference_head_version, dtype, request_id):
+    """build_request writing the ScoreRequest bytes in field order: request_id, then the option
+    parts, row tensors and sequence_lengths between them. A SharedTensor's field is its cached
+    tensor_wire(); an array's is a Tensor of dtype and shape (its bytes follow as arrays)."""
+    options = _option_parts(head, reference_head, head_version, reference_head_version,
+                            ignore_index, top_k, entropy, reference_entropy, forward_kl,
+                            reverse_kl, jsd_beta, temperature, reference_temperature)
+    rid = request_id or ""
+    if type(rid) is not str:
+        raise _Refused()
+    rid_bytes = rid.encode("utf-8")
+    arrays = {}
+    shapes = {}
+
+    def tensor(number, name, value, ids=False):
+        if value is None:
+            return b""
+        if isinstance(value, SharedTensor):
+            data, shape = value.tensor_wire()
+        else:
+            wire, a = id_array(value, name) if ids else float_array(value, dtype, name)
+            shape = a.shape
+            data = _pb.pb2().Tensor(dtype=dtype_enum(wire), shape=shape).SerializeToString()
+            arrays[name] = a
+        shapes[name] = shape
+        return _wire.field(number, data)
+
+    parts = [_wire.field(1, rid_bytes) if rid_bytes else b"", options.head,
+             tensor(3, "hidden", hidden), tensor(4, "logits", logits), options.versions,
+             tensor(7, "reference_hidden", reference_hidden),
+             tensor(8, "reference_logits", reference_logits), options.reference_version,
+             tensor(10, "target_ids", target_ids, ids=True), options.rest]
+    meta = _Meta()
+    meta.sequences = None
+    if sequence_lengths is not None:
+        lengths = [int(x) for x in np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)]
+        parts.append(_pb.pb2().ScoreRequest(sequence_lengths=lengths).SerializeToString())
+        meta.sequences = len(lengths)
+    rows = None
+    shape = shapes.get("hidden")
+    if shape:
+        rows = shape[0]
+    shape = shapes.get("logits")
+    if rows is None and shape:
+        rows = shape[0]
+    meta.rows = rows
+    shape = shapes.get("target_ids")
+    meta.ids_shape = None if shape is None else tuple(shape)
+    meta.top_k = options.top_k
+    meta.outputs = dict(options.outputs)
+    meta.head = options.has_head
+    meta.reference_head = options.has_reference_head
+    return WireRequest.encoded(b"".join(parts), arrays, rid, meta.sequences or 0), meta
+
+
+def _build_message(head=None, hidden=None, target_ids=None, reference_head=None,
+                  reference_hidden=None, logits=None, reference_logits=None, entropy=False,
+                  reference_entropy=False, forward_kl=False, reverse_kl=False, jsd_beta=None,
+                  top_k=0, temperature=None, reference_temperature=None, ignore_index=None,
+                  sequence_lengths=None, head_version=None, reference_head_version=None,
+                  dtype=None, request_id=None):
+    """build_request through a ScoreRequest message: the reference encoding, and the one used
+    whenever _build_encoded refuses (it then also raises any error of the arguments)."""
     pb2 = _pb.pb2()
     r = pb2.ScoreRequest(request_id=request_id or "")
     arrays = {}
@@ -275,8 +434,8 @@ def row_bytes(request, meta):
     for field in _ROW_TENSORS:
         if field in request.arrays:
             total += request.arrays[field].nbytes // n
-        elif _present(request.message, field):
-            total += len(getattr(request.message, field).data) // n
+        else:
+            total += request.tensor_data_bytes(field) // n
     return total
 
 
@@ -285,13 +444,13 @@ def plan_chunks(request, meta, max_rows, max_bytes):
     when it has at most `max_rows` rows (0 = no limit) and fits in `max_bytes` (0 = no limit); else
     consecutive chunks cut at row boundaries, or only at sequence boundaries when sequence_lengths
     is set (a single sequence over the limit is INVALID_ARGUMENT, as in the C++ client)."""
-    msg = request.message
     n = meta.rows
-    nseq = len(msg.sequence_lengths)
+    nseq = request.sequence_count()
     too_many_rows = bool(max_rows) and n is not None and (n > max_rows or nseq > max_rows)
-    too_big = bool(max_bytes) and msg.ByteSize() + request.array_bytes() > max_bytes
+    too_big = bool(max_bytes) and request.message_size() + request.array_bytes() > max_bytes
     if n is None or not (too_many_rows or too_big):
         return [(0, n or 0, 0, nseq)]
+    msg = request.message
     for field in _ROW_TENSORS:
         if not _present(msg, field):
             continue

@@ -52,21 +52,82 @@ def _tag(field, wire_type):
     return _varint((field << 3) | wire_type)
 
 
+# Tags of the length-delimited fields numbered 1..20 (ScoreRequest's, ScoreStreamRequest's).
+_LEN_TAGS = [None] + [_tag(f, _LEN) for f in range(1, 21)]
+_ONE_BYTE = [bytes((n,)) for n in range(128)]
+
+
+def field(number, payload):
+    """Wire bytes of length-delimited field `number` (1..20) holding the bytes `payload`."""
+    n = len(payload)
+    return _LEN_TAGS[number] + (_ONE_BYTE[n] if n < 128 else _varint(n)) + payload
+
+
 class WireRequest:
     """A ScoreRequest (`message`, row-tensor data left empty) plus the row tensors' bytes as
-    arrays; rows [row_begin, row_end) of the arrays belong to this message (all when None)."""
+    arrays; rows [row_begin, row_end) of the arrays belong to this message (all when None).
 
-    __slots__ = ("message", "arrays", "row_begin", "row_end")
+    build_request encodes the message straight to its bytes (WireRequest.encoded: `prefix`,
+    what SerializeToString would give, and no row-tensor data in it); `message` is then parsed
+    from them the first time it is asked for, and from there on the message is the request
+    (callers may change it), so ask for it before sharing the request between threads."""
+
+    __slots__ = ("_message", "_prefix", "_request_id", "_sequences", "arrays", "row_begin",
+                 "row_end")
 
     def __init__(self, message, arrays, row_begin=None, row_end=None):
-        self.message = message
+        self._message = message
+        self._prefix = None
+        self._request_id = None
+        self._sequences = 0
         self.arrays = arrays
         self.row_begin = row_begin
         self.row_end = row_end
 
+    @classmethod
+    def encoded(cls, prefix, arrays, request_id, sequences):
+        """The request of the ScoreRequest bytes `prefix`, whose request_id is `request_id` and
+        which has `sequences` sequence_lengths."""
+        r = cls(None, arrays)
+        r._prefix = prefix
+        r._request_id = request_id
+        r._sequences = sequences
+        return r
+
+    @property
+    def message(self):
+        m = self._message
+        if m is None:
+            m = self._message = _pb.pb2().ScoreRequest.FromString(self._prefix)
+        return m
+
     @property
     def request_id(self):
-        return self.message.request_id
+        m = self._message
+        return self._request_id if m is None else m.request_id
+
+    def sequence_count(self):
+        """len(message.sequence_lengths)."""
+        m = self._message
+        return self._sequences if m is None else len(m.sequence_lengths)
+
+    def message_bytes(self):
+        """The message serialized (without the arrays' bytes)."""
+        m = self._message
+        return self._prefix if m is None else m.SerializeToString()
+
+    def message_size(self):
+        """len(message_bytes())."""
+        m = self._message
+        return len(self._prefix) if m is None else m.ByteSize()
+
+    def tensor_data_bytes(self, field):
+        """len(message.<field>.data): 0 when absent, and in an encoded request (whose row
+        tensors are arrays or shared memory)."""
+        m = self._message
+        if m is None or not m.HasField(field):
+            return 0
+        return len(getattr(m, field).data)
 
     def array_bytes(self):
         return sum(self._rows(a).nbytes for a in self.arrays.values())
@@ -83,7 +144,7 @@ def _parts(request):
     """The wire bytes of a WireRequest (or of a plain protobuf message) as a list of buffers."""
     if not isinstance(request, WireRequest):
         return [request.SerializeToString()]
-    parts = [request.message.SerializeToString()]
+    parts = [request.message_bytes()]
     for field, array in request.arrays.items():
         rows = request._rows(array)
         n = rows.nbytes

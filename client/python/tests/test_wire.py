@@ -3,6 +3,7 @@ meaning: requests built from arrays parse to the message protobuf would build, r
 with numpy equal protobuf's parse."""
 
 import numpy as np
+import pytest
 
 import logitserve
 from logitserve import _api, _wire
@@ -141,3 +142,136 @@ def test_responses_parse_from_memoryviews_and_lists_of_them():
     assert got.request_id == "s"
     np.testing.assert_array_equal(got.response.target_logprobs,
                                   np.asarray(want.target_logprobs, np.float32))
+
+
+# ---- requests encoded without a message (build_request's cached parts) -----------------------
+
+def _arguments():
+    """Score arguments covering every ScoreRequest field, arrays and shared-memory tensors."""
+    rng = np.random.default_rng(3)
+    bits = logitserve.to_bf16_bits(rng.normal(0, 1, (5, 8)).astype(np.float32))
+    ids = rng.integers(0, 100, (5, 2)).astype(np.int32)
+    sh = logitserve.SharedTensor("reg", 128, "bf16", (5, 8))
+    st = logitserve.SharedTensor("reg", 4096, "int64", (5,))
+    options = [
+        {}, dict(entropy=True, top_k=3), dict(jsd_beta=-0.0, temperature=0.7, request_id="x"),
+        dict(reference_head="ref", reference_hidden=sh, head_version=3, reverse_kl=1,
+             forward_kl=np.bool_(True), ignore_index=-100, reference_temperature=1e300,
+             sequence_lengths=[2, 3], reference_head_version=0),
+        dict(logits=np.zeros((5, 4), np.float32), reference_logits=sh, head=""),
+        dict(sequence_lengths=np.array([5]), request_id="\u00e9", jsd_beta=float("nan"),
+             dtype="fp16", hidden=np.ones((5, 8), np.float32)),
+    ]
+    for hidden in (None, bits, sh):
+        for target in (None, ids, st, [1, 2, 3, 4, 5]):
+            for extra in options:
+                args = dict(head="policy", hidden=hidden, target_ids=target)
+                args.update(extra)
+                yield args
+
+
+def _assert_encoded_as_the_message(args):
+    got, got_meta = _api.build_request(**args)
+    want, want_meta = _api._build_message(**args)
+    assert got._message is None, args  # encoded directly, not through a message
+    assert _wire.serialize(got) == _wire.serialize(want), args  # byte for byte
+    assert got.message_bytes() == want.message.SerializeToString()
+    assert (got.request_id, got.sequence_count(), got.message_size()) == (
+        want.request_id, want.sequence_count(), want.message_size())
+    assert set(got.arrays) == set(want.arrays)
+    for name in _api._Meta.__slots__:
+        assert getattr(got_meta, name) == getattr(want_meta, name), (name, args)
+    return got
+
+
+def test_encoded_requests_are_what_protobuf_serializes():
+    for args in _arguments():
+        _assert_encoded_as_the_message(args)
+        _assert_encoded_as_the_message(args)  # again, from the cached parts
+
+
+def test_cached_option_parts_follow_every_argument():
+    # One argument changed at a time, the previous call's parts cached: a cache keyed on less
+    # than the arguments (or on == of floats: -0.0 == 0.0) would give the previous bytes.
+    sh = logitserve.SharedTensor("reg", 0, "bf16", (4, 8))
+    base = dict(head="policy", hidden=sh, target_ids=[1, 2, 3, 4])
+    changes = [dict(head="policy16"), dict(reference_head="ref"), dict(head_version=0),
+               dict(head_version=2), dict(reference_head_version=5), dict(ignore_index=-100),
+               dict(ignore_index=7), dict(top_k=3), dict(top_k=4.0), dict(entropy=True),
+               dict(reference_entropy=True), dict(forward_kl=True), dict(reverse_kl=True),
+               dict(jsd_beta=0.0), dict(jsd_beta=-0.0), dict(jsd_beta=0.5),
+               dict(temperature=0.0), dict(temperature=-0.0), dict(temperature=float("nan")),
+               dict(reference_temperature=2.0), dict(reference_temperature=-2.0)]
+    seen = set()
+    for change in [{}] + changes + [{}] + changes[::-1]:
+        wire = _wire.serialize(_assert_encoded_as_the_message(dict(base, **change)))
+        seen.add(wire)
+    assert len(seen) == len(changes) + 1  # each change encodes differently from the others
+
+
+def test_shared_tensor_wire_follows_its_attributes():
+    t = logitserve.SharedTensor("a", 64, "bf16", (4, 8))
+
+    def check():
+        data, shape = t.tensor_wire()
+        assert data == t.tensor_message().SerializeToString()
+        assert shape == tuple(t.tensor_message().shape)
+        got = pb2().ScoreRequest.FromString(_wire.serialize(_api.build_request(hidden=t)[0]))
+        assert got.hidden == t.tensor_message()
+
+    check()
+    for name, value in (("region", "b"), ("offset", 128), ("dtype", "FLOAT16"),
+                        ("shape", (2, 8)), ("offset", 64), ("region", "a")):
+        setattr(t, name, value)
+        check()
+    t.shape = [3, 8]  # a list (not cached), changed in place
+    check()
+    t.shape.append(1)
+    check()
+    with pytest.raises(TypeError):  # protobuf's own error for a float offset, never cached
+        t.offset = 64.0
+        t.tensor_wire()
+
+
+def _error(build, args):
+    try:
+        build(**args)
+    except Exception as e:  # noqa: BLE001
+        return type(e), str(e)
+    return None
+
+
+def test_build_errors_are_those_of_the_message_path():
+    sh = logitserve.SharedTensor("reg", 0, "bf16", (4, 8))
+    bad = [dict(top_k=-1), dict(head_version=-1), dict(ignore_index=2 ** 40), dict(head=5),
+           dict(request_id=5), dict(request_id="\ud800"), dict(jsd_beta="x"),
+           dict(hidden=np.array(["a"])), dict(target_ids=np.zeros(3)),
+           dict(sequence_lengths=[2 ** 70]), dict(entropy=np.zeros(2)), dict(top_k=[3]),
+           # Several errors: the first argument in _build_message's order raises.
+           dict(hidden=np.array(["a"]), top_k=-1), dict(top_k=-1, ignore_index="x")]
+    for args in bad:
+        args = dict(dict(head="policy", hidden=sh), **args)
+        want = _error(_api._build_message, args)
+        assert want is not None, args
+        assert _error(_api.build_request, args) == want, args
+        assert _error(_api.build_request, args) == want, args  # nothing cached by a failure
+
+
+def test_an_encoded_requests_message_is_the_request_once_read():
+    sh = logitserve.SharedTensor("reg", 0, "bf16", (4, 8))
+    req, meta = _api.build_request(head="policy", hidden=sh, target_ids=[1, 2, 3, 4],
+                                   sequence_lengths=[1, 3], request_id="q")
+    assert _api.plan_chunks(req, meta, 0, 1 << 20) == [(0, 4, 0, 2)]
+    assert req._message is None  # planned without parsing the message
+    req.message.head_version = 7  # as pin_versions does
+    got = pb2().ScoreStreamRequest.FromString(_wire.serialize_stream_request(req)).request
+    assert got.head_version == 7 and got.request_id == "q"
+    assert req.request_id == "q" and req.message_size() == req.message.ByteSize()
+    req.message.request_id = "r"
+    assert req.request_id == "r" and req.sequence_count() == 2
+
+
+def test_the_option_cache_stays_bounded():
+    for i in range(_api._OPTION_CACHE_MAX + 10):
+        _api.build_request(head="policy", temperature=1.0 + i / 1024)
+        assert len(_api._OPTION_CACHE) <= _api._OPTION_CACHE_MAX
