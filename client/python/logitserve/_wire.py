@@ -176,24 +176,39 @@ _FLOAT_FIELDS = {2: "target_logprobs", 4: "top_k_logprobs", 5: "entropy", 6: "re
                  7: "forward_kl", 8: "reverse_kl", 9: "jsd"}
 _INT_FIELDS = {10: "target_ids_per_row", 11: "top_k", 13: "head_version",
                14: "reference_head_version", 15: "queue_us", 16: "compute_us"}
+_SEQUENCE_FIELDS = {12: "sequence_sums", 17: "sequence_means"}
 _EMPTY_F32 = np.zeros(0, np.float32)
 _EMPTY_I32 = np.zeros(0, np.int32)
+_F32_WIRE = np.dtype("<f4")
+_F32_NATIVE = _F32_WIRE == np.dtype(np.float32)  # else astype on a big-endian host
 
 
 class FastResponse:
     """A ScoreResponse with its repeated outputs as read-only numpy arrays (the attribute names of
-    logitserve.v1.ScoreResponse; sequence_sums / sequence_means are SequenceStats messages)."""
+    logitserve.v1.ScoreResponse; sequence_sums / sequence_means are SequenceStats messages, made
+    when first read). A field the response lacks reads as the class's default."""
 
-    def __init__(self):
-        self.request_id = ""
-        for name in _FLOAT_FIELDS.values():
-            setattr(self, name, _EMPTY_F32)
-        self.top_k_ids = _EMPTY_I32
-        for name in _INT_FIELDS.values():
-            setattr(self, name, 0)
-        pb2 = _pb.pb2()
-        self.sequence_sums = pb2.SequenceStats()
-        self.sequence_means = pb2.SequenceStats()
+    request_id = ""
+    target_logprobs = top_k_logprobs = entropy = reference_entropy = _EMPTY_F32
+    forward_kl = reverse_kl = jsd = _EMPTY_F32
+    top_k_ids = _EMPTY_I32
+    target_ids_per_row = top_k = head_version = reference_head_version = 0
+    queue_us = compute_us = 0
+
+    def _stats(self, name):
+        d = self.__dict__
+        m = d.get(name)
+        if m is None:
+            m = d[name] = _pb.pb2().SequenceStats()
+        return m
+
+    @property
+    def sequence_sums(self):
+        return self._stats("_sequence_sums")
+
+    @property
+    def sequence_means(self):
+        return self._stats("_sequence_means")
 
     def HasField(self, name):  # noqa: N802 - protobuf's spelling
         return bool(getattr(self, "_has_" + name, False))
@@ -282,13 +297,19 @@ def _parse_stream_fast(data):
     r = StreamResponse()
     i, n = 0, len(data)
     while i < n:
-        key, i = _read_varint(data, i)
+        key = data[i]
+        i += 1
+        if key & 0x80:
+            key, i = _read_varint(data, i - 1)
         field, wire = key >> 3, key & 7
         if wire == 0 and field == _STREAM_RESPONSE_STATUS_CODE:
             value, i = _read_varint(data, i)
             r.status_code = _to_int32(value)
         elif wire == _LEN:
-            length, i = _read_varint(data, i)
+            length = data[i]
+            i += 1
+            if length & 0x80:
+                length, i = _read_varint(data, i - 1)
             end = i + length
             if end > n:
                 raise ValueError("truncated field")
@@ -309,42 +330,55 @@ def _parse_stream_fast(data):
 
 
 def _parse_fast(data, i, n):
-    """A FastResponse from the ScoreResponse bytes data[i:n]."""
+    """A FastResponse from the ScoreResponse bytes data[i:n]. Keys and lengths below 128 are
+    one byte (every key of fields 1..15): read inline, the rest by _read_varint."""
     r = FastResponse()
-    floats, ids = {}, []
+    d = r.__dict__
     while i < n:
-        key, i = _read_varint(data, i)
+        key = data[i]
+        i += 1
+        if key & 0x80:
+            key, i = _read_varint(data, i - 1)
         field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _read_varint(data, i)
-            if field not in _INT_FIELDS:
-                raise _Unusual()
-            setattr(r, _INT_FIELDS[field], value)
-        elif wire == _LEN:
-            length, i = _read_varint(data, i)
+        if wire == _LEN:
+            length = data[i]
+            i += 1
+            if length & 0x80:
+                length, i = _read_varint(data, i - 1)
             end = i + length
             if end > n:
                 raise ValueError("truncated field")
-            if field in _FLOAT_FIELDS:
+            name = _FLOAT_FIELDS.get(field)
+            if name is not None:
                 if length % 4:
                     raise ValueError("packed floats of %d bytes" % length)
-                floats.setdefault(field, []).append(np.frombuffer(data, "<f4", length // 4, i))
+                a = np.frombuffer(data, _F32_WIRE, length // 4, i)
+                if not _F32_NATIVE:
+                    a = a.astype(np.float32)
+                prev = d.get(name)  # a repeated occurrence continues the values
+                d[name] = a if prev is None else np.concatenate((prev, a))
             elif field == 3:
-                ids.append(decode_varints(memoryview(data)[i:end]))
+                a = decode_varints(memoryview(data)[i:end])
+                prev = d.get("top_k_ids")
+                d["top_k_ids"] = a if prev is None else np.concatenate((prev, a))
             elif field == 1:
-                r.request_id = bytes(data[i:end]).decode("utf-8")
-            elif field in (12, 17):
-                name = "sequence_sums" if field == 12 else "sequence_means"
+                d["request_id"] = bytes(data[i:end]).decode("utf-8")
+            elif field in _SEQUENCE_FIELDS:
+                name = _SEQUENCE_FIELDS[field]
                 getattr(r, name).MergeFromString(bytes(data[i:end]))
-                setattr(r, "_has_" + name, True)
+                d["_has_" + name] = True
             else:
                 raise _Unusual()
             i = end
+        elif wire == 0:
+            value = data[i]
+            i += 1
+            if value & 0x80:
+                value, i = _read_varint(data, i - 1)
+            name = _INT_FIELDS.get(field)
+            if name is None:
+                raise _Unusual()
+            d[name] = value
         else:
             raise _Unusual()  # unpacked repeated values or unknown fields: let protobuf do it
-    for field, parts in floats.items():
-        a = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        setattr(r, _FLOAT_FIELDS[field], a.astype(np.float32, copy=False))
-    if ids:
-        r.top_k_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
     return r

@@ -144,6 +144,47 @@ def test_responses_parse_from_memoryviews_and_lists_of_them():
                                   np.asarray(want.target_logprobs, np.float32))
 
 
+
+def test_repeated_and_long_fields_parse_as_protobuf_merges_them():
+    # Packed fields given twice continue their values and embedded messages merge (protobuf's
+    # rule); fields over 127 bytes have two-byte lengths, fields 16 and 17 two-byte keys.
+    rng = np.random.default_rng(4)
+    first = _response()
+    first.sequence_means.entropy.extend([0.25])
+    first.sequence_means.token_count.extend([3])
+    second = pb2().ScoreResponse(compute_us=5, request_id="r2")
+    second.entropy.extend(rng.normal(0, 1, 200).astype(np.float32))
+    second.target_logprobs.extend([np.float32(-1.5)])
+    second.top_k_ids.extend([3, 2 ** 20, 1])
+    second.sequence_sums.entropy.extend([9.0])
+    second.sequence_means.token_count.extend([4])
+    raw = first.SerializeToString() + second.SerializeToString()
+    want = pb2().ScoreResponse.FromString(raw)
+    got = _wire.parse_score_response(raw)
+    assert isinstance(got, _wire.FastResponse)
+    for name in ("target_logprobs", "top_k_logprobs", "entropy", "jsd"):
+        np.testing.assert_array_equal(getattr(got, name).view(np.uint32),
+                                      np.asarray(getattr(want, name), np.float32).view(np.uint32),
+                                      err_msg=name)
+        assert getattr(got, name).dtype == np.float32
+    np.testing.assert_array_equal(got.top_k_ids, np.asarray(want.top_k_ids, np.int32))
+    assert (got.request_id, got.compute_us, got.queue_us) == ("r2", 5, 11)
+    assert got.sequence_sums == want.sequence_sums
+    assert got.sequence_means == want.sequence_means
+
+
+def test_a_missing_field_reads_as_protobufs_default():
+    a = _wire.parse_score_response(b"")
+    b = _wire.parse_score_response(pb2().ScoreResponse(head_version=3).SerializeToString())
+    assert isinstance(a, _wire.FastResponse) and isinstance(b, _wire.FastResponse)
+    assert (a.head_version, b.head_version, a.request_id, a.compute_us) == (0, 3, "", 0)
+    assert a.entropy.dtype == np.float32 and a.entropy.size == 0 and a.top_k_ids.size == 0
+    assert a.sequence_sums == pb2().SequenceStats() and not a.HasField("sequence_sums")
+    assert a.sequence_sums is not b.sequence_sums  # each response its own message
+    a.sequence_sums.entropy.append(1.0)
+    assert b.sequence_sums == pb2().SequenceStats()
+
+
 # ---- requests encoded without a message (build_request's cached parts) -----------------------
 
 def _arguments():
