@@ -85,8 +85,10 @@ class ScoreResult:
 
     def __init__(self, request_id=""):
         self.request_id = request_id
-        for name in self._ARRAYS:
-            setattr(self, name, None)
+        # The _ARRAYS, in their order.
+        self.target_logprobs = self.top_k_ids = self.top_k_logprobs = None
+        self.entropy = self.reference_entropy = self.forward_kl = self.reverse_kl = None
+        self.jsd = None
         self.sequence_sums = None
         self.sequence_means = None
         self.head_version = 0
@@ -547,85 +549,78 @@ def check_same_versions(responses, chunks):
                     first.head_version, first.reference_head_version))
 
 
-def _floats(values):
-    return np.asarray(values, dtype=np.float32)
-
-
 def _check(field, values, rows, per_row):
     if len(values) != rows * per_row:
         raise Internal("server response field %s has %d values, expected %d" %
                        (field, len(values), rows * per_row))
 
 
+def _joined(parts, dtype):
+    """The parts (arrays or protobuf repeated fields) as one new array of `dtype`."""
+    if len(parts) == 1:
+        return np.array(parts[0], dtype=dtype)
+    if not parts:
+        return np.zeros(0, dtype)
+    return np.concatenate([np.asarray(p, dtype=dtype) for p in parts])
+
+
 def assemble(responses, chunks, meta, request_id):
-    """One ScoreResult from the chunks' responses (in chunk order)."""
+    """One ScoreResult from the chunks' responses (in chunk order): every response's sizes are
+    checked first (Internal names the first field that is off), then each output is one new
+    array joined from the chunks' values."""
     res = ScoreResult(request_id)
     res.chunks = len(responses)
     k_ids = None
     if meta.ids_shape is not None:
         k_ids = 1 if len(meta.ids_shape) < 2 else int(meta.ids_shape[1])
-    parts = {name: [] for name in ScoreResult._ARRAYS}
-    stats = {"sums": {n: [] for n in _STATS_FIELDS + ("token_count",)},
-             "means": {n: [] for n in _STATS_FIELDS + ("token_count",)}}
+    outputs = [name for name in _PER_ROW_OUTPUTS if meta.outputs[name]]
+    stats = ()
+    if meta.sequences is not None:
+        stats = (("sums", "sequence_sums"), ("means", "sequence_means"))
     for resp, (r0, r1, s0, s1) in zip(responses, chunks):
         rows = r1 - r0
         if k_ids is not None:
             _check("target_logprobs", resp.target_logprobs, rows, k_ids)
-            parts["target_logprobs"].append(_floats(resp.target_logprobs))
         if meta.top_k:
             _check("top_k_ids", resp.top_k_ids, rows, meta.top_k)
             _check("top_k_logprobs", resp.top_k_logprobs, rows, meta.top_k)
-            parts["top_k_ids"].append(np.asarray(resp.top_k_ids, dtype=np.int32))
-            parts["top_k_logprobs"].append(_floats(resp.top_k_logprobs))
-        for name in _PER_ROW_OUTPUTS:
-            if meta.outputs[name]:
-                _check(name, getattr(resp, name), rows, 1)
-                parts[name].append(_floats(getattr(resp, name)))
-        if meta.sequences is not None:
-            nseq = s1 - s0
-            for key, msg in (("sums", resp.sequence_sums), ("means", resp.sequence_means)):
-                if len(msg.token_count) != nseq:
-                    raise Internal("server response sequence_%s has %d sequences, expected %d" %
-                                   (key, len(msg.token_count), nseq))
-                stats[key]["token_count"].append(np.asarray(msg.token_count, dtype=np.int64))
-                if k_ids is not None:
-                    _check("sequence_%s.target_logprobs" % key, msg.target_logprobs, nseq, k_ids)
-                    stats[key]["target_logprobs"].append(_floats(msg.target_logprobs))
-                for name in _PER_ROW_OUTPUTS:
-                    if meta.outputs[name]:
-                        _check("sequence_%s.%s" % (key, name), getattr(msg, name), nseq, 1)
-                        stats[key][name].append(_floats(getattr(msg, name)))
+        for name in outputs:
+            _check(name, getattr(resp, name), rows, 1)
+        nseq = s1 - s0
+        for key, attr in stats:
+            msg = getattr(resp, attr)
+            if len(msg.token_count) != nseq:
+                raise Internal("server response sequence_%s has %d sequences, expected %d" %
+                               (key, len(msg.token_count), nseq))
+            if k_ids is not None:
+                _check("sequence_%s.target_logprobs" % key, msg.target_logprobs, nseq, k_ids)
+            for name in outputs:
+                _check("sequence_%s.%s" % (key, name), getattr(msg, name), nseq, 1)
         res.queue_us += resp.queue_us
         res.compute_us += resp.compute_us
-    first = responses[0] if responses else None
-    if first is not None:
-        res.head_version = first.head_version
-        res.reference_head_version = first.reference_head_version
+    if responses:
+        res.head_version = responses[0].head_version
+        res.reference_head_version = responses[0].reference_head_version
     n = meta.rows or 0
     ids_2d = meta.ids_shape is not None and len(meta.ids_shape) >= 2
-
-    def cat(chunks_list, dtype):
-        return np.concatenate(chunks_list) if chunks_list else np.zeros(0, dtype)
-
     if k_ids is not None:
-        lp = cat(parts["target_logprobs"], np.float32)
+        lp = _joined([r.target_logprobs for r in responses], np.float32)
         res.target_logprobs = lp.reshape(n, k_ids) if ids_2d else lp
     if meta.top_k:
-        res.top_k_ids = cat(parts["top_k_ids"], np.int32).reshape(n, meta.top_k)
-        res.top_k_logprobs = cat(parts["top_k_logprobs"], np.float32).reshape(n, meta.top_k)
-    for name in _PER_ROW_OUTPUTS:
-        if meta.outputs[name]:
-            setattr(res, name, cat(parts[name], np.float32))
-    if meta.sequences is not None:
-        for key in ("sums", "means"):
-            fields = {"token_count": cat(stats[key]["token_count"], np.int64)}
-            if k_ids is not None:
-                lp = cat(stats[key]["target_logprobs"], np.float32)
-                fields["target_logprobs"] = lp.reshape(meta.sequences, k_ids) if ids_2d else lp
-            for name in _PER_ROW_OUTPUTS:
-                if meta.outputs[name]:
-                    fields[name] = cat(stats[key][name], np.float32)
-            setattr(res, "sequence_" + key, SequenceStats(**fields))
+        res.top_k_ids = _joined([r.top_k_ids for r in responses], np.int32).reshape(n, meta.top_k)
+        res.top_k_logprobs = _joined([r.top_k_logprobs for r in responses],
+                                     np.float32).reshape(n, meta.top_k)
+    for name in outputs:
+        setattr(res, name, _joined([getattr(r, name) for r in responses], np.float32))
+    for key, attr in stats:
+        msgs = [getattr(r, attr) for r in responses]
+        fields = {"token_count": _joined([m.token_count for m in msgs], np.int64)}
+        if k_ids is not None:
+            lp = _joined([m.target_logprobs for m in msgs], np.float32)
+            fields["target_logprobs"] = lp.reshape(meta.sequences, k_ids) if ids_2d else lp
+        for name in outputs:
+            fields[name] = _joined([getattr(m, name) for m in msgs], np.float32)
+        setattr(res, attr, SequenceStats(**fields))
     return res
 
 

@@ -316,3 +316,104 @@ def test_the_option_cache_stays_bounded():
     for i in range(_api._OPTION_CACHE_MAX + 10):
         _api.build_request(head="policy", temperature=1.0 + i / 1024)
         assert len(_api._OPTION_CACHE) <= _api._OPTION_CACHE_MAX
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+def _chunk_response(rows, k, top_k, nseq, seed):
+    rng = np.random.default_rng(seed)
+    f = lambda n: rng.normal(0, 1, n).astype(np.float32)  # noqa: E731
+    r = pb2().ScoreResponse(head_version=seed, reference_head_version=seed + 1, queue_us=seed,
+                            compute_us=10 * seed)
+    r.target_logprobs.extend(f(rows * k))
+    r.top_k_ids.extend(rng.integers(0, 1000, rows * top_k).tolist())
+    r.top_k_logprobs.extend(f(rows * top_k))
+    for name in ("entropy", "forward_kl", "jsd"):
+        getattr(r, name).extend(f(rows))
+    for stats in (r.sequence_sums, r.sequence_means):
+        stats.target_logprobs.extend(f(nseq * k))
+        stats.entropy.extend(f(nseq))
+        stats.forward_kl.extend(f(nseq))
+        stats.jsd.extend(f(nseq))
+        stats.token_count.extend(rng.integers(0, 9, nseq).tolist())
+    return r
+
+
+def _meta(rows, k, top_k, nseq):
+    meta = _api._Meta()
+    meta.rows, meta.ids_shape, meta.top_k, meta.sequences = rows, (rows, k), top_k, nseq
+    meta.outputs = {"entropy": True, "reference_entropy": False, "forward_kl": True,
+                    "reverse_kl": False, "jsd": True}
+    meta.head = meta.reference_head = True
+    return meta
+
+
+def test_results_are_new_arrays_of_the_chunks_values_in_order():
+    chunks = [(0, 3, 0, 1), (3, 7, 1, 3)]
+    protos = [_chunk_response(3, 2, 4, 1, seed=1), _chunk_response(4, 2, 4, 2, seed=2)]
+    meta = _meta(7, 2, 4, 3)
+    for kind in ("fast", "protobuf"):
+        responses = [_wire.parse_score_response(p.SerializeToString()) if kind == "fast" else p
+                     for p in protos]
+        for use in (chunks, chunks[:1]):
+            m = meta if use is chunks else _meta(3, 2, 4, 1)
+            res = _api.assemble(responses[:len(use)], use, m, "id")
+            parts = protos[:len(use)]
+            cat = lambda get, dtype: np.concatenate(  # noqa: E731
+                [np.asarray(get(p), dtype) for p in parts])
+            want = {"target_logprobs": cat(lambda p: p.target_logprobs, np.float32).reshape(-1, 2),
+                    "top_k_ids": cat(lambda p: p.top_k_ids, np.int32).reshape(-1, 4),
+                    "top_k_logprobs": cat(lambda p: p.top_k_logprobs, np.float32).reshape(-1, 4),
+                    "entropy": cat(lambda p: p.entropy, np.float32),
+                    "forward_kl": cat(lambda p: p.forward_kl, np.float32),
+                    "jsd": cat(lambda p: p.jsd, np.float32)}
+            for name, w in want.items():
+                got = getattr(res, name)
+                assert got.dtype == w.dtype and got.shape == w.shape, (kind, name)
+                np.testing.assert_array_equal(got.view(np.uint32), w.view(np.uint32))
+                assert got.flags.writeable and got.flags.c_contiguous, (kind, name)
+                for r in responses:  # never a view of a response's bytes
+                    assert not np.shares_memory(got, np.asarray(getattr(r, name))), name
+            assert res.reference_entropy is None and res.reverse_kl is None
+            for key in ("sums", "means"):
+                stats = getattr(res, "sequence_" + key)
+                msgs = [getattr(p, "sequence_" + key) for p in parts]
+                np.testing.assert_array_equal(
+                    stats.token_count, np.concatenate([np.asarray(s.token_count) for s in msgs]))
+                assert stats.token_count.dtype == np.int64
+                assert stats.target_logprobs.shape == (m.sequences, 2)
+                np.testing.assert_array_equal(
+                    stats.jsd, np.concatenate([np.asarray(s.jsd, np.float32) for s in msgs]))
+                assert stats.reverse_kl is None
+            assert (res.chunks, res.queue_us, res.compute_us) == (
+                len(use), sum(p.queue_us for p in parts), sum(p.compute_us for p in parts))
+            assert (res.head_version, res.reference_head_version) == (1, 2)
+
+
+def test_result_size_errors_name_the_first_field_off():
+    chunks = [(0, 3, 0, 1), (3, 7, 1, 3)]
+    meta = _meta(7, 2, 4, 3)
+
+    def error(edit):
+        protos = [_chunk_response(3, 2, 4, 1, seed=1), _chunk_response(4, 2, 4, 2, seed=2)]
+        edit(protos)
+        with pytest.raises(logitserve.Internal) as e:
+            _api.assemble([_wire.parse_score_response(p.SerializeToString()) for p in protos],
+                          chunks, meta, "")
+        return str(e.value)
+
+    def both(p):
+        p[1].entropy.append(1.0)
+        p[1].target_logprobs.append(1.0)
+
+    assert "field target_logprobs has 9 values, expected 8" in error(both)
+    assert "field jsd has 2 values, expected 3" in error(lambda p: p[0].jsd.pop())
+
+    def stats(p):
+        p[0].sequence_means.token_count.append(1)
+        p[0].sequence_sums.entropy.append(1.0)
+        p[1].top_k_ids.append(1)
+
+    assert "sequence_sums.entropy has 2 values, expected 1" in error(stats)
+    assert "sequence_means has 2 sequences, expected 1" in error(
+        lambda p: p[0].sequence_means.token_count.append(1))
