@@ -165,6 +165,8 @@ def serialize_stream_request(request):
     a ScoreStreamRequest message is sent as it is)."""
     if type(request).__name__ == "ScoreStreamRequest":
         return request.SerializeToString()
+    if isinstance(request, WireRequest) and not request.arrays:  # a shared-memory request
+        return field(_STREAM_REQUEST_FIELD, request.message_bytes())
     parts = _parts(request)
     n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
     return b"".join([_tag(_STREAM_REQUEST_FIELD, _LEN) + _varint(n)] + parts)

@@ -217,6 +217,8 @@ def _assert_encoded_as_the_message(args):
     assert got._message is None, args  # encoded directly, not through a message
     assert _wire.serialize(got) == _wire.serialize(want), args  # byte for byte
     assert got.message_bytes() == want.message.SerializeToString()
+    inner = _wire.serialize(want)  # wrapped as ScoreStreamRequest.request (field 1)
+    assert _wire.serialize_stream_request(got) == b"\x0a" + _wire._varint(len(inner)) + inner
     assert (got.request_id, got.sequence_count(), got.message_size()) == (
         want.request_id, want.sequence_count(), want.message_size())
     assert set(got.arrays) == set(want.arrays)
