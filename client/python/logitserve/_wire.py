@@ -6,6 +6,8 @@ wire dtype, rows first). `serialize` writes the message and then, per array, one
 of the tensor field holding only `data`: protobuf parsers merge repeated occurrences of an
 embedded message, so the server sees one Tensor with dtype, shape and data. The array bytes are
 copied once, into the bytes object gRPC sends; a chunk of rows is a slice of the same arrays.
+build_request writes the message's own bytes directly (WireRequest.encoded) from parts cached
+between calls, and the message object is parsed from them only where one is needed.
 
 ScoreStream wraps each request in a ScoreStreamRequest (`request`, field 1) and each answer in a
 ScoreStreamResponse (request_id, response, status_code, status_message): `serialize_stream_request`
