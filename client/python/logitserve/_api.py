@@ -298,7 +298,7 @@ def _build_encoded(head, hidden, target_ids, reference_head, reference_hidden, l
         else:
             wire, a = id_array(value, name) if ids else float_array(value, dtype, name)
             shape = a.shape
-            data = _pb.pb2().Tensor(dtype=dtype_enum(wire), shape=shape).SerializeToString()
+            data = _wire.tensor_header(dtype_enum(wire), shape)
             arrays[name] = a
         shapes[name] = shape
         return _wire.field(number, data)
@@ -312,7 +312,8 @@ def _build_encoded(head, hidden, target_ids, reference_head, reference_hidden, l
     meta.sequences = None
     if sequence_lengths is not None:
         lengths = [int(x) for x in np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)]
-        parts.append(_pb.pb2().ScoreRequest(sequence_lengths=lengths).SerializeToString())
+        if lengths:
+            parts.append(_wire.field(20, _wire.packed_varints(lengths)))
         meta.sequences = len(lengths)
     rows = None
     shape = shapes.get("hidden")

@@ -65,6 +65,22 @@ def field(number, payload):
     return _LEN_TAGS[number] + (_ONE_BYTE[n] if n < 128 else _varint(n)) + payload
 
 
+_U64 = (1 << 64) - 1
+
+
+def packed_varints(values):
+    """The packed encoding of int64 values (a negative one as its 64-bit two's complement)."""
+    return b"".join([_ONE_BYTE[v] if 0 <= v < 128 else _varint(v & _U64) for v in values])
+
+
+def tensor_header(dtype, shape):
+    """Tensor bytes holding only `dtype` (a DataType value) and `shape` (sizes >= 0), as
+    protobuf serializes them."""
+    dims = packed_varints(shape)
+    head = b"\x08" + _varint(dtype) if dtype else b""
+    return head + field(2, dims) if dims else head
+
+
 class WireRequest:
     """A ScoreRequest (`message`, row-tensor data left empty) plus the row tensors' bytes as
     arrays; rows [row_begin, row_end) of the arrays belong to this message (all when None).

@@ -202,6 +202,10 @@ def _arguments():
         dict(logits=np.zeros((5, 4), np.float32), reference_logits=sh, head=""),
         dict(sequence_lengths=np.array([5]), request_id="\u00e9", jsd_beta=float("nan"),
              dtype="fp16", hidden=np.ones((5, 8), np.float32)),
+        # Sizes of every varint length (and negative lengths, for the server to refuse).
+        dict(sequence_lengths=[-1, 0, 127, 128, 300, 2 ** 40, -(2 ** 63)],
+             reference_hidden=np.zeros((0, 200), np.float32), reference_logits=np.float32(3)),
+        dict(sequence_lengths=[], logits=np.zeros((3, 20000), np.float16)),
     ]
     for hidden in (None, bits, sh):
         for target in (None, ids, st, [1, 2, 3, 4, 5]):
