@@ -4,10 +4,11 @@ target parsing and channel options. No I/O here."""
 import ipaddress
 import random
 import re
+import struct
 
 import numpy as np
 
-from . import _pb
+from . import _pb, _wire
 from ._errors import FailedPrecondition, InvalidArgument, Internal, error_for
 from ._shm import SharedTensor
 from ._tensors import as_array, dtype_enum, dtype_name, float_array, float_tensor, id_array, slice_rows
@@ -84,8 +85,10 @@ class ScoreResult:
 
     def __init__(self, request_id=""):
         self.request_id = request_id
-        for name in self._ARRAYS:
-            setattr(self, name, None)
+        # The _ARRAYS, in their order.
+        self.target_logprobs = self.top_k_ids = self.top_k_logprobs = None
+        self.entropy = self.reference_entropy = self.forward_kl = self.reverse_kl = None
+        self.jsd = None
         self.sequence_sums = None
         self.sequence_means = None
         self.head_version = 0
@@ -177,7 +180,166 @@ def build_request(head=None, hidden=None, target_ids=None, reference_head=None,
                   dtype=None, request_id=None):
     """(WireRequest, _Meta) from Client.score's arguments. Only encodes: the server validates
     (its INVALID_ARGUMENT messages name the field and row). Row tensors given as arrays stay
-    arrays (copied once, when serialized); a SharedTensor names its shared-memory bytes."""
+    arrays (copied once, when serialized); a SharedTensor names its shared-memory bytes.
+
+    The request is encoded straight to ScoreRequest bytes (_build_encoded: the bytes protobuf
+    would serialize, from parts cached between calls); arguments it does not take as they are,
+    and every error, go through the ScoreRequest message instead (_build_message), so errors are
+    protobuf's and numpy's own, raised in argument order."""
+    args = (head, hidden, target_ids, reference_head, reference_hidden, logits, reference_logits,
+            entropy, reference_entropy, forward_kl, reverse_kl, jsd_beta, top_k, temperature,
+            reference_temperature, ignore_index, sequence_lengths, head_version,
+            reference_head_version, dtype, request_id)
+    try:
+        return _build_encoded(*args)
+    except Exception:  # noqa: BLE001 - the message path raises the argument's own error
+        return _build_message(*args)
+
+
+class _OptionParts:
+    """The ScoreRequest bytes of the fields other than the row tensors, request_id and
+    sequence_lengths, in four runs of field order (head; head_version and reference_head;
+    reference_head_version; ignore_index .. reference_temperature), and what _Meta takes from
+    them."""
+
+    __slots__ = ("head", "versions", "reference_version", "rest", "top_k", "outputs",
+                 "has_head", "has_reference_head")
+
+
+# _OptionParts by the arguments that made them (see _option_parts); cleared when full.
+_OPTION_CACHE = {}
+_OPTION_CACHE_MAX = 256
+_DOUBLE = struct.Struct("<d")
+
+
+def _float_key(value):
+    # By its bits: -0.0 == 0.0, and NaNs differ in payload, yet they encode differently.
+    return None if value is None else _DOUBLE.pack(float(value))
+
+
+def _option_parts(head, reference_head, head_version, reference_head_version, ignore_index,
+                  top_k, entropy, reference_entropy, forward_kl, reverse_kl, jsd_beta,
+                  temperature, reference_temperature):
+    # Equal numbers convert to equal field values (int(), bool()), so they share an entry;
+    # floats are keyed by their bits. An unhashable argument raises TypeError here.
+    key = (head, reference_head, head_version, reference_head_version, ignore_index, top_k,
+           entropy, reference_entropy, forward_kl, reverse_kl, _float_key(jsd_beta),
+           _float_key(temperature), _float_key(reference_temperature))
+    parts = _OPTION_CACHE.get(key)
+    if parts is not None:
+        return parts
+    # The setters of _build_message, each on a message of its own part.
+    pb2 = _pb.pb2()
+    a, b, c, d = (pb2.ScoreRequest() for _ in range(4))
+    if head:
+        a.head = head
+    if head_version is not None:
+        b.head_version = int(head_version)
+    if reference_head:
+        b.reference_head = reference_head
+    if reference_head_version is not None:
+        c.reference_head_version = int(reference_head_version)
+    if ignore_index is not None:
+        d.ignore_index = int(ignore_index)
+    d.top_k = int(top_k or 0)
+    d.entropy = bool(entropy)
+    d.reference_entropy = bool(reference_entropy)
+    d.forward_kl = bool(forward_kl)
+    d.reverse_kl = bool(reverse_kl)
+    if jsd_beta is not None:
+        d.jsd_beta = float(jsd_beta)
+    if temperature is not None:
+        d.temperature = float(temperature)
+    if reference_temperature is not None:
+        d.reference_temperature = float(reference_temperature)
+    parts = _OptionParts()
+    parts.head = a.SerializeToString()
+    parts.versions = b.SerializeToString()
+    parts.reference_version = c.SerializeToString()
+    parts.rest = d.SerializeToString()
+    parts.top_k = d.top_k
+    parts.outputs = {"entropy": d.entropy, "reference_entropy": d.reference_entropy,
+                     "forward_kl": d.forward_kl, "reverse_kl": d.reverse_kl,
+                     "jsd": jsd_beta is not None}
+    parts.has_head = bool(head)
+    parts.has_reference_head = bool(reference_head)
+    if len(_OPTION_CACHE) >= _OPTION_CACHE_MAX:
+        _OPTION_CACHE.clear()
+    _OPTION_CACHE[key] = parts
+    return parts
+
+
+class _Refused(Exception):
+    """An argument _build_encoded does not encode itself."""
+
+
+def _build_encoded(head, hidden, target_ids, reference_head, reference_hidden, logits,
+                   reference_logits, entropy, reference_entropy, forward_kl, reverse_kl,
+                   jsd_beta, top_k, temperature, reference_temperature, ignore_index,
+                   sequence_lengths, head_version, reference_head_version, dtype, request_id):
+    """build_request writing the ScoreRequest bytes in field order: request_id, then the option
+    parts, row tensors and sequence_lengths between them. A SharedTensor's field is its cached
+    tensor_wire(); an array's is a Tensor of dtype and shape (its bytes follow as arrays)."""
+    options = _option_parts(head, reference_head, head_version, reference_head_version,
+                            ignore_index, top_k, entropy, reference_entropy, forward_kl,
+                            reverse_kl, jsd_beta, temperature, reference_temperature)
+    rid = request_id or ""
+    if type(rid) is not str:
+        raise _Refused()
+    rid_bytes = rid.encode("utf-8")
+    arrays = {}
+    shapes = {}
+
+    def tensor(number, name, value, ids=False):
+        if value is None:
+            return b""
+        if isinstance(value, SharedTensor):
+            data, shape = value.tensor_wire()
+        else:
+            wire, a = id_array(value, name) if ids else float_array(value, dtype, name)
+            shape = a.shape
+            data = _wire.tensor_header(dtype_enum(wire), shape)
+            arrays[name] = a
+        shapes[name] = shape
+        return _wire.field(number, data)
+
+    parts = [_wire.field(1, rid_bytes) if rid_bytes else b"", options.head,
+             tensor(3, "hidden", hidden), tensor(4, "logits", logits), options.versions,
+             tensor(7, "reference_hidden", reference_hidden),
+             tensor(8, "reference_logits", reference_logits), options.reference_version,
+             tensor(10, "target_ids", target_ids, ids=True), options.rest]
+    meta = _Meta()
+    meta.sequences = None
+    if sequence_lengths is not None:
+        lengths = [int(x) for x in np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)]
+        if lengths:
+            parts.append(_wire.field(20, _wire.packed_varints(lengths)))
+        meta.sequences = len(lengths)
+    rows = None
+    shape = shapes.get("hidden")
+    if shape:
+        rows = shape[0]
+    shape = shapes.get("logits")
+    if rows is None and shape:
+        rows = shape[0]
+    meta.rows = rows
+    shape = shapes.get("target_ids")
+    meta.ids_shape = None if shape is None else tuple(shape)
+    meta.top_k = options.top_k
+    meta.outputs = dict(options.outputs)
+    meta.head = options.has_head
+    meta.reference_head = options.has_reference_head
+    return WireRequest.encoded(b"".join(parts), arrays, rid, meta.sequences or 0), meta
+
+
+def _build_message(head=None, hidden=None, target_ids=None, reference_head=None,
+                  reference_hidden=None, logits=None, reference_logits=None, entropy=False,
+                  reference_entropy=False, forward_kl=False, reverse_kl=False, jsd_beta=None,
+                  top_k=0, temperature=None, reference_temperature=None, ignore_index=None,
+                  sequence_lengths=None, head_version=None, reference_head_version=None,
+                  dtype=None, request_id=None):
+    """build_request through a ScoreRequest message: the reference encoding, and the one used
+    whenever _build_encoded refuses (it then also raises any error of the arguments)."""
     pb2 = _pb.pb2()
     r = pb2.ScoreRequest(request_id=request_id or "")
     arrays = {}
@@ -275,8 +437,8 @@ def row_bytes(request, meta):
     for field in _ROW_TENSORS:
         if field in request.arrays:
             total += request.arrays[field].nbytes // n
-        elif _present(request.message, field):
-            total += len(getattr(request.message, field).data) // n
+        else:
+            total += request.tensor_data_bytes(field) // n
     return total
 
 
@@ -285,13 +447,13 @@ def plan_chunks(request, meta, max_rows, max_bytes):
     when it has at most `max_rows` rows (0 = no limit) and fits in `max_bytes` (0 = no limit); else
     consecutive chunks cut at row boundaries, or only at sequence boundaries when sequence_lengths
     is set (a single sequence over the limit is INVALID_ARGUMENT, as in the C++ client)."""
-    msg = request.message
     n = meta.rows
-    nseq = len(msg.sequence_lengths)
+    nseq = request.sequence_count()
     too_many_rows = bool(max_rows) and n is not None and (n > max_rows or nseq > max_rows)
-    too_big = bool(max_bytes) and msg.ByteSize() + request.array_bytes() > max_bytes
+    too_big = bool(max_bytes) and request.message_size() + request.array_bytes() > max_bytes
     if n is None or not (too_many_rows or too_big):
         return [(0, n or 0, 0, nseq)]
+    msg = request.message
     for field in _ROW_TENSORS:
         if not _present(msg, field):
             continue
@@ -388,85 +550,78 @@ def check_same_versions(responses, chunks):
                     first.head_version, first.reference_head_version))
 
 
-def _floats(values):
-    return np.asarray(values, dtype=np.float32)
-
-
 def _check(field, values, rows, per_row):
     if len(values) != rows * per_row:
         raise Internal("server response field %s has %d values, expected %d" %
                        (field, len(values), rows * per_row))
 
 
+def _joined(parts, dtype):
+    """The parts (arrays or protobuf repeated fields) as one new array of `dtype`."""
+    if len(parts) == 1:
+        return np.array(parts[0], dtype=dtype)
+    if not parts:
+        return np.zeros(0, dtype)
+    return np.concatenate([np.asarray(p, dtype=dtype) for p in parts])
+
+
 def assemble(responses, chunks, meta, request_id):
-    """One ScoreResult from the chunks' responses (in chunk order)."""
+    """One ScoreResult from the chunks' responses (in chunk order): every response's sizes are
+    checked first (Internal names the first field that is off), then each output is one new
+    array joined from the chunks' values."""
     res = ScoreResult(request_id)
     res.chunks = len(responses)
     k_ids = None
     if meta.ids_shape is not None:
         k_ids = 1 if len(meta.ids_shape) < 2 else int(meta.ids_shape[1])
-    parts = {name: [] for name in ScoreResult._ARRAYS}
-    stats = {"sums": {n: [] for n in _STATS_FIELDS + ("token_count",)},
-             "means": {n: [] for n in _STATS_FIELDS + ("token_count",)}}
+    outputs = [name for name in _PER_ROW_OUTPUTS if meta.outputs[name]]
+    stats = ()
+    if meta.sequences is not None:
+        stats = (("sums", "sequence_sums"), ("means", "sequence_means"))
     for resp, (r0, r1, s0, s1) in zip(responses, chunks):
         rows = r1 - r0
         if k_ids is not None:
             _check("target_logprobs", resp.target_logprobs, rows, k_ids)
-            parts["target_logprobs"].append(_floats(resp.target_logprobs))
         if meta.top_k:
             _check("top_k_ids", resp.top_k_ids, rows, meta.top_k)
             _check("top_k_logprobs", resp.top_k_logprobs, rows, meta.top_k)
-            parts["top_k_ids"].append(np.asarray(resp.top_k_ids, dtype=np.int32))
-            parts["top_k_logprobs"].append(_floats(resp.top_k_logprobs))
-        for name in _PER_ROW_OUTPUTS:
-            if meta.outputs[name]:
-                _check(name, getattr(resp, name), rows, 1)
-                parts[name].append(_floats(getattr(resp, name)))
-        if meta.sequences is not None:
-            nseq = s1 - s0
-            for key, msg in (("sums", resp.sequence_sums), ("means", resp.sequence_means)):
-                if len(msg.token_count) != nseq:
-                    raise Internal("server response sequence_%s has %d sequences, expected %d" %
-                                   (key, len(msg.token_count), nseq))
-                stats[key]["token_count"].append(np.asarray(msg.token_count, dtype=np.int64))
-                if k_ids is not None:
-                    _check("sequence_%s.target_logprobs" % key, msg.target_logprobs, nseq, k_ids)
-                    stats[key]["target_logprobs"].append(_floats(msg.target_logprobs))
-                for name in _PER_ROW_OUTPUTS:
-                    if meta.outputs[name]:
-                        _check("sequence_%s.%s" % (key, name), getattr(msg, name), nseq, 1)
-                        stats[key][name].append(_floats(getattr(msg, name)))
+        for name in outputs:
+            _check(name, getattr(resp, name), rows, 1)
+        nseq = s1 - s0
+        for key, attr in stats:
+            msg = getattr(resp, attr)
+            if len(msg.token_count) != nseq:
+                raise Internal("server response sequence_%s has %d sequences, expected %d" %
+                               (key, len(msg.token_count), nseq))
+            if k_ids is not None:
+                _check("sequence_%s.target_logprobs" % key, msg.target_logprobs, nseq, k_ids)
+            for name in outputs:
+                _check("sequence_%s.%s" % (key, name), getattr(msg, name), nseq, 1)
         res.queue_us += resp.queue_us
         res.compute_us += resp.compute_us
-    first = responses[0] if responses else None
-    if first is not None:
-        res.head_version = first.head_version
-        res.reference_head_version = first.reference_head_version
+    if responses:
+        res.head_version = responses[0].head_version
+        res.reference_head_version = responses[0].reference_head_version
     n = meta.rows or 0
     ids_2d = meta.ids_shape is not None and len(meta.ids_shape) >= 2
-
-    def cat(chunks_list, dtype):
-        return np.concatenate(chunks_list) if chunks_list else np.zeros(0, dtype)
-
     if k_ids is not None:
-        lp = cat(parts["target_logprobs"], np.float32)
+        lp = _joined([r.target_logprobs for r in responses], np.float32)
         res.target_logprobs = lp.reshape(n, k_ids) if ids_2d else lp
     if meta.top_k:
-        res.top_k_ids = cat(parts["top_k_ids"], np.int32).reshape(n, meta.top_k)
-        res.top_k_logprobs = cat(parts["top_k_logprobs"], np.float32).reshape(n, meta.top_k)
-    for name in _PER_ROW_OUTPUTS:
-        if meta.outputs[name]:
-            setattr(res, name, cat(parts[name], np.float32))
-    if meta.sequences is not None:
-        for key in ("sums", "means"):
-            fields = {"token_count": cat(stats[key]["token_count"], np.int64)}
-            if k_ids is not None:
-                lp = cat(stats[key]["target_logprobs"], np.float32)
-                fields["target_logprobs"] = lp.reshape(meta.sequences, k_ids) if ids_2d else lp
-            for name in _PER_ROW_OUTPUTS:
-                if meta.outputs[name]:
-                    fields[name] = cat(stats[key][name], np.float32)
-            setattr(res, "sequence_" + key, SequenceStats(**fields))
+        res.top_k_ids = _joined([r.top_k_ids for r in responses], np.int32).reshape(n, meta.top_k)
+        res.top_k_logprobs = _joined([r.top_k_logprobs for r in responses],
+                                     np.float32).reshape(n, meta.top_k)
+    for name in outputs:
+        setattr(res, name, _joined([getattr(r, name) for r in responses], np.float32))
+    for key, attr in stats:
+        msgs = [getattr(r, attr) for r in responses]
+        fields = {"token_count": _joined([m.token_count for m in msgs], np.int64)}
+        if k_ids is not None:
+            lp = _joined([m.target_logprobs for m in msgs], np.float32)
+            fields["target_logprobs"] = lp.reshape(meta.sequences, k_ids) if ids_2d else lp
+        for name in outputs:
+            fields[name] = _joined([getattr(m, name) for m in msgs], np.float32)
+        setattr(res, attr, SequenceStats(**fields))
     return res
 
 

@@ -310,7 +310,7 @@ class Client:
         -100); sequence_lengths; head_version / reference_head_version pins.
         """
         request, meta = _api.build_request(head=head, hidden=hidden, target_ids=target_ids, **kwargs)
-        chunks = [(0, meta.rows or 0, 0, len(request.message.sequence_lengths))]
+        chunks = [(0, meta.rows or 0, 0, request.sequence_count())]
         if self._s.split_requests:
             max_rows, max_bytes = self._server_limits()
             pipelined = self._s.pipeline_plan(request, meta, max_rows, max_bytes)

@@ -45,8 +45,8 @@ except ImportError:  # pragma: no cover - a grpcio without the Cython core
     _cygrpc = None
 
 # The tags of a stream's operations (any hashable value works for grpcio).
-_STATUS, _INITIAL_METADATA, _WRITE, _READ, _HALF_CLOSE = (
-    "status", "initial_metadata", "write", "read", "half_close")
+_STATUS, _INITIAL_METADATA, _EXCHANGE, _HALF_CLOSE = (
+    "status", "initial_metadata", "exchange", "half_close")
 # How long close() waits for the server to end a half-closed stream before cancelling it.
 CLOSE_GRACE_S = 2.0
 # Details of the error a call past its deadline raises (grpcio's own for a unary call).
@@ -94,9 +94,9 @@ class SessionStream:
             None)
         self._due.update((_STATUS, _INITIAL_METADATA))
 
-    def _start(self, operation, tag):
+    def _start(self, operations, tag):
         try:
-            started = self._call.operate((operation,), tag)
+            started = self._call.operate(operations, tag)
         except ValueError:  # a call error from the core (the call is over)
             started = False
         if not started:
@@ -140,12 +140,13 @@ class SessionStream:
         message = None
         armed = deadline is not None and self._deadlines.arm(self, deadline)
         try:
-            self._start(_cygrpc.SendMessageOperation(wire, 0), _WRITE)
-            self._start(_cygrpc.ReceiveMessageOperation(0), _READ)
-            self._await(_WRITE)
-            event = self._await(_READ)
-            if event.success:
-                message = event.batch_operations[0].message()  # None: the stream ended
+            # Write and read as one batch: one operate() and one event per call (grpcio takes
+            # a lock and notifies a condition for each).
+            self._start((_cygrpc.SendMessageOperation(wire, 0),
+                         _cygrpc.ReceiveMessageOperation(0)), _EXCHANGE)
+            event = self._await(_EXCHANGE)
+            if event.success:  # both done
+                message = event.batch_operations[1].message()  # None: the stream ended
         except Broken:
             pass
         finally:
@@ -184,7 +185,7 @@ class SessionStream:
             return
         self.broken = True
         try:
-            self._start(_cygrpc.SendCloseFromClientOperation(0), _HALF_CLOSE)
+            self._start((_cygrpc.SendCloseFromClientOperation(0),), _HALF_CLOSE)
         except Broken:
             self.abort()
             return

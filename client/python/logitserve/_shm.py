@@ -26,9 +26,12 @@ class SharedTensor:
     """A tensor the server reads from a registered region: `region` (its registered name),
     byte `offset`, wire dtype name ("BFLOAT16", "FLOAT16", "FLOAT32", "INT32", "INT64": the
     logitserve.v1.DataType values without their DATA_TYPE_ prefix) and
-    `shape`. Pass it to score() wherever an array is accepted."""
+    `shape`. Pass it to score() wherever an array is accepted.
 
-    __slots__ = ("region", "offset", "dtype", "shape")
+    The serialized Tensor message is kept from one request to the next (`tensor_wire`) and
+    rebuilt once region, offset, dtype or shape is assigned another value."""
+
+    __slots__ = ("region", "offset", "dtype", "shape", "_wire")
 
     def __init__(self, region, offset, dtype, shape):
         self.region = region
@@ -40,6 +43,7 @@ class SharedTensor:
         if self.dtype not in _SIZE:
             raise ValueError("SharedTensor: unknown dtype %r" % (dtype,))
         self.shape = tuple(int(d) for d in shape)
+        self._wire = None  # see tensor_wire
 
     @property
     def nbytes(self):
@@ -55,6 +59,21 @@ class SharedTensor:
         return pb2.Tensor(dtype=getattr(pb2, "DATA_TYPE_" + self.dtype), shape=list(self.shape),
                           shared_memory=pb2.SharedMemoryRef(region=self.region, offset=self.offset,
                                                             byte_size=self.nbytes))
+
+    def tensor_wire(self):
+        """(the serialized tensor_message(), its shape as a tuple): built on the first request,
+        then reused while region, offset, dtype and shape are the very objects it was built
+        from (a cache only for attributes of immutable exact types: str, int, a tuple of int)."""
+        c = self._wire
+        if (c is None or c[0] is not self.region or c[1] is not self.offset
+                or c[2] is not self.dtype or c[3] is not self.shape):
+            msg = self.tensor_message()
+            c = (self.region, self.offset, self.dtype, self.shape, msg.SerializeToString(),
+                 tuple(msg.shape))
+            if (type(self.region) is str and type(self.offset) is int and type(self.dtype) is str
+                    and type(self.shape) is tuple and all(type(d) is int for d in self.shape)):
+                self._wire = c
+        return c[4], c[5]
 
     def __repr__(self):
         return "SharedTensor(%r, offset=%d, %s%s)" % (self.region, self.offset, self.dtype,

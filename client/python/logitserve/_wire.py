@@ -6,6 +6,8 @@ wire dtype, rows first). `serialize` writes the message and then, per array, one
 of the tensor field holding only `data`: protobuf parsers merge repeated occurrences of an
 embedded message, so the server sees one Tensor with dtype, shape and data. The array bytes are
 copied once, into the bytes object gRPC sends; a chunk of rows is a slice of the same arrays.
+build_request writes the message's own bytes directly (WireRequest.encoded) from parts cached
+between calls, and the message object is parsed from them only where one is needed.
 
 ScoreStream wraps each request in a ScoreStreamRequest (`request`, field 1) and each answer in a
 ScoreStreamResponse (request_id, response, status_code, status_message): `serialize_stream_request`
@@ -52,21 +54,98 @@ def _tag(field, wire_type):
     return _varint((field << 3) | wire_type)
 
 
+# Tags of the length-delimited fields numbered 1..20 (ScoreRequest's, ScoreStreamRequest's).
+_LEN_TAGS = [None] + [_tag(f, _LEN) for f in range(1, 21)]
+_ONE_BYTE = [bytes((n,)) for n in range(128)]
+
+
+def field(number, payload):
+    """Wire bytes of length-delimited field `number` (1..20) holding the bytes `payload`."""
+    n = len(payload)
+    return _LEN_TAGS[number] + (_ONE_BYTE[n] if n < 128 else _varint(n)) + payload
+
+
+_U64 = (1 << 64) - 1
+
+
+def packed_varints(values):
+    """The packed encoding of int64 values (a negative one as its 64-bit two's complement)."""
+    return b"".join([_ONE_BYTE[v] if 0 <= v < 128 else _varint(v & _U64) for v in values])
+
+
+def tensor_header(dtype, shape):
+    """Tensor bytes holding only `dtype` (a DataType value) and `shape` (sizes >= 0), as
+    protobuf serializes them."""
+    dims = packed_varints(shape)
+    head = b"\x08" + _varint(dtype) if dtype else b""
+    return head + field(2, dims) if dims else head
+
+
 class WireRequest:
     """A ScoreRequest (`message`, row-tensor data left empty) plus the row tensors' bytes as
-    arrays; rows [row_begin, row_end) of the arrays belong to this message (all when None)."""
+    arrays; rows [row_begin, row_end) of the arrays belong to this message (all when None).
 
-    __slots__ = ("message", "arrays", "row_begin", "row_end")
+    build_request encodes the message straight to its bytes (WireRequest.encoded: `prefix`,
+    what SerializeToString would give, and no row-tensor data in it); `message` is then parsed
+    from them the first time it is asked for, and from there on the message is the request
+    (callers may change it), so ask for it before sharing the request between threads."""
+
+    __slots__ = ("_message", "_prefix", "_request_id", "_sequences", "arrays", "row_begin",
+                 "row_end")
 
     def __init__(self, message, arrays, row_begin=None, row_end=None):
-        self.message = message
+        self._message = message
+        self._prefix = None
+        self._request_id = None
+        self._sequences = 0
         self.arrays = arrays
         self.row_begin = row_begin
         self.row_end = row_end
 
+    @classmethod
+    def encoded(cls, prefix, arrays, request_id, sequences):
+        """The request of the ScoreRequest bytes `prefix`, whose request_id is `request_id` and
+        which has `sequences` sequence_lengths."""
+        r = cls(None, arrays)
+        r._prefix = prefix
+        r._request_id = request_id
+        r._sequences = sequences
+        return r
+
+    @property
+    def message(self):
+        m = self._message
+        if m is None:
+            m = self._message = _pb.pb2().ScoreRequest.FromString(self._prefix)
+        return m
+
     @property
     def request_id(self):
-        return self.message.request_id
+        m = self._message
+        return self._request_id if m is None else m.request_id
+
+    def sequence_count(self):
+        """len(message.sequence_lengths)."""
+        m = self._message
+        return self._sequences if m is None else len(m.sequence_lengths)
+
+    def message_bytes(self):
+        """The message serialized (without the arrays' bytes)."""
+        m = self._message
+        return self._prefix if m is None else m.SerializeToString()
+
+    def message_size(self):
+        """len(message_bytes())."""
+        m = self._message
+        return len(self._prefix) if m is None else m.ByteSize()
+
+    def tensor_data_bytes(self, field):
+        """len(message.<field>.data): 0 when absent, and in an encoded request (whose row
+        tensors are arrays or shared memory)."""
+        m = self._message
+        if m is None or not m.HasField(field):
+            return 0
+        return len(getattr(m, field).data)
 
     def array_bytes(self):
         return sum(self._rows(a).nbytes for a in self.arrays.values())
@@ -83,7 +162,7 @@ def _parts(request):
     """The wire bytes of a WireRequest (or of a plain protobuf message) as a list of buffers."""
     if not isinstance(request, WireRequest):
         return [request.SerializeToString()]
-    parts = [request.message.SerializeToString()]
+    parts = [request.message_bytes()]
     for field, array in request.arrays.items():
         rows = request._rows(array)
         n = rows.nbytes
@@ -104,6 +183,8 @@ def serialize_stream_request(request):
     a ScoreStreamRequest message is sent as it is)."""
     if type(request).__name__ == "ScoreStreamRequest":
         return request.SerializeToString()
+    if isinstance(request, WireRequest) and not request.arrays:  # a shared-memory request
+        return field(_STREAM_REQUEST_FIELD, request.message_bytes())
     parts = _parts(request)
     n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
     return b"".join([_tag(_STREAM_REQUEST_FIELD, _LEN) + _varint(n)] + parts)
@@ -115,24 +196,39 @@ _FLOAT_FIELDS = {2: "target_logprobs", 4: "top_k_logprobs", 5: "entropy", 6: "re
                  7: "forward_kl", 8: "reverse_kl", 9: "jsd"}
 _INT_FIELDS = {10: "target_ids_per_row", 11: "top_k", 13: "head_version",
                14: "reference_head_version", 15: "queue_us", 16: "compute_us"}
+_SEQUENCE_FIELDS = {12: "sequence_sums", 17: "sequence_means"}
 _EMPTY_F32 = np.zeros(0, np.float32)
 _EMPTY_I32 = np.zeros(0, np.int32)
+_F32_WIRE = np.dtype("<f4")
+_F32_NATIVE = _F32_WIRE == np.dtype(np.float32)  # else astype on a big-endian host
 
 
 class FastResponse:
     """A ScoreResponse with its repeated outputs as read-only numpy arrays (the attribute names of
-    logitserve.v1.ScoreResponse; sequence_sums / sequence_means are SequenceStats messages)."""
+    logitserve.v1.ScoreResponse; sequence_sums / sequence_means are SequenceStats messages, made
+    when first read). A field the response lacks reads as the class's default."""
 
-    def __init__(self):
-        self.request_id = ""
-        for name in _FLOAT_FIELDS.values():
-            setattr(self, name, _EMPTY_F32)
-        self.top_k_ids = _EMPTY_I32
-        for name in _INT_FIELDS.values():
-            setattr(self, name, 0)
-        pb2 = _pb.pb2()
-        self.sequence_sums = pb2.SequenceStats()
-        self.sequence_means = pb2.SequenceStats()
+    request_id = ""
+    target_logprobs = top_k_logprobs = entropy = reference_entropy = _EMPTY_F32
+    forward_kl = reverse_kl = jsd = _EMPTY_F32
+    top_k_ids = _EMPTY_I32
+    target_ids_per_row = top_k = head_version = reference_head_version = 0
+    queue_us = compute_us = 0
+
+    def _stats(self, name):
+        d = self.__dict__
+        m = d.get(name)
+        if m is None:
+            m = d[name] = _pb.pb2().SequenceStats()
+        return m
+
+    @property
+    def sequence_sums(self):
+        return self._stats("_sequence_sums")
+
+    @property
+    def sequence_means(self):
+        return self._stats("_sequence_means")
 
     def HasField(self, name):  # noqa: N802 - protobuf's spelling
         return bool(getattr(self, "_has_" + name, False))
@@ -221,13 +317,19 @@ def _parse_stream_fast(data):
     r = StreamResponse()
     i, n = 0, len(data)
     while i < n:
-        key, i = _read_varint(data, i)
+        key = data[i]
+        i += 1
+        if key & 0x80:
+            key, i = _read_varint(data, i - 1)
         field, wire = key >> 3, key & 7
         if wire == 0 and field == _STREAM_RESPONSE_STATUS_CODE:
             value, i = _read_varint(data, i)
             r.status_code = _to_int32(value)
         elif wire == _LEN:
-            length, i = _read_varint(data, i)
+            length = data[i]
+            i += 1
+            if length & 0x80:
+                length, i = _read_varint(data, i - 1)
             end = i + length
             if end > n:
                 raise ValueError("truncated field")
@@ -248,42 +350,55 @@ def _parse_stream_fast(data):
 
 
 def _parse_fast(data, i, n):
-    """A FastResponse from the ScoreResponse bytes data[i:n]."""
+    """A FastResponse from the ScoreResponse bytes data[i:n]. Keys and lengths below 128 are
+    one byte (every key of fields 1..15): read inline, the rest by _read_varint."""
     r = FastResponse()
-    floats, ids = {}, []
+    d = r.__dict__
     while i < n:
-        key, i = _read_varint(data, i)
+        key = data[i]
+        i += 1
+        if key & 0x80:
+            key, i = _read_varint(data, i - 1)
         field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _read_varint(data, i)
-            if field not in _INT_FIELDS:
-                raise _Unusual()
-            setattr(r, _INT_FIELDS[field], value)
-        elif wire == _LEN:
-            length, i = _read_varint(data, i)
+        if wire == _LEN:
+            length = data[i]
+            i += 1
+            if length & 0x80:
+                length, i = _read_varint(data, i - 1)
             end = i + length
             if end > n:
                 raise ValueError("truncated field")
-            if field in _FLOAT_FIELDS:
+            name = _FLOAT_FIELDS.get(field)
+            if name is not None:
                 if length % 4:
                     raise ValueError("packed floats of %d bytes" % length)
-                floats.setdefault(field, []).append(np.frombuffer(data, "<f4", length // 4, i))
+                a = np.frombuffer(data, _F32_WIRE, length // 4, i)
+                if not _F32_NATIVE:
+                    a = a.astype(np.float32)
+                prev = d.get(name)  # a repeated occurrence continues the values
+                d[name] = a if prev is None else np.concatenate((prev, a))
             elif field == 3:
-                ids.append(decode_varints(memoryview(data)[i:end]))
+                a = decode_varints(memoryview(data)[i:end])
+                prev = d.get("top_k_ids")
+                d["top_k_ids"] = a if prev is None else np.concatenate((prev, a))
             elif field == 1:
-                r.request_id = bytes(data[i:end]).decode("utf-8")
-            elif field in (12, 17):
-                name = "sequence_sums" if field == 12 else "sequence_means"
+                d["request_id"] = bytes(data[i:end]).decode("utf-8")
+            elif field in _SEQUENCE_FIELDS:
+                name = _SEQUENCE_FIELDS[field]
                 getattr(r, name).MergeFromString(bytes(data[i:end]))
-                setattr(r, "_has_" + name, True)
+                d["_has_" + name] = True
             else:
                 raise _Unusual()
             i = end
+        elif wire == 0:
+            value = data[i]
+            i += 1
+            if value & 0x80:
+                value, i = _read_varint(data, i - 1)
+            name = _INT_FIELDS.get(field)
+            if name is None:
+                raise _Unusual()
+            d[name] = value
         else:
             raise _Unusual()  # unpacked repeated values or unknown fields: let protobuf do it
-    for field, parts in floats.items():
-        a = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        setattr(r, _FLOAT_FIELDS[field], a.astype(np.float32, copy=False))
-    if ids:
-        r.top_k_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
     return r

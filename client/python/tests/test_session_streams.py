@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import logitserve
+from logitserve import _api
 from conftest import H, V
 from support import Server, finished_rpcs, free_port
 
@@ -46,6 +47,20 @@ def _open_call_states(metrics_address):
             values[name] = int(float(value))
     return (values["logitserve_call_states_created_total"] -
             values["logitserve_call_states_released_total"])
+
+
+def _settled_call_states(metrics_address, steady=0.2, seconds=10.0):
+    """_open_call_states once it has stayed the same for `steady` seconds: the server releases
+    the state of a call that just ended (the test's own unary calls, an earlier test's streams)
+    a little after the client saw its answer, and a baseline taken before that counts it."""
+    end = time.monotonic() + seconds
+    value, since = _open_call_states(metrics_address), time.monotonic()
+    while time.monotonic() - since < steady and time.monotonic() < end:
+        time.sleep(0.02)
+        now = _open_call_states(metrics_address)
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def _eventually(predicate, seconds=10.0):
@@ -148,7 +163,7 @@ def test_concurrent_callers_each_get_their_own_answer(metered):
 
             want = [unary.score(**inputs(k)) for k in range(threads)]
             counts = _Counts(metered)
-            open_before = _open_call_states(metered.metrics_address)
+            open_before = _settled_call_states(metered.metrics_address)
             wrong, failed = [0] * threads, []
             start = threading.Barrier(threads)
 
@@ -215,6 +230,80 @@ def test_a_requests_own_error_is_the_unary_error_and_keeps_the_stream(metered):
             assert streamed._sessions._idle == [stream] and not stream.broken
 
 
+
+def _changing_calls(region_a, region_b):
+    """Steps that change, one call after the other, what the next call asks for while the
+    caller keeps the same SharedTensor objects (whose encoding and option parts the client
+    caches): options, the head, then the tensors' offset, region, dtype and shape. Yields
+    (shared-memory arguments, the same call with arrays) per step."""
+    (bits1, ids1), (bits2, _), (bits3, ids3) = (_inputs(ROWS, seed=s) for s in (31, 32, 33))
+    ids3 = ids3.astype(np.int64)
+    h = region_a.put(bits1)
+    t = region_a.put(ids1, offset=h.end)
+    second = region_a.put(bits2, offset=t.end)
+    hb = region_b.put(bits3)
+    tb = region_b.put(ids3, offset=hb.end)
+    data = {"hidden": bits1, "target_ids": ids1}
+    args = dict(head="policy", entropy=True, top_k=3)
+    steps = [
+        lambda: args.update(entropy=False, top_k=5),
+        lambda: args.update(temperature=0.5),
+        lambda: args.update(head="policy16"),
+        lambda: args.update(ignore_index=int(ids1[0])),
+        lambda: (setattr(h, "offset", second.offset), data.update(hidden=bits2)),
+        lambda: (setattr(h, "region", hb.region), setattr(h, "offset", hb.offset),
+                 setattr(t, "region", tb.region), setattr(t, "offset", tb.offset),
+                 setattr(t, "dtype", "INT64"), data.update(hidden=bits3, target_ids=ids3)),
+        lambda: (setattr(h, "shape", (ROWS - 4, H)), setattr(t, "shape", (ROWS - 4,)),
+                 data.update(hidden=bits3[:ROWS - 4], target_ids=ids3[:ROWS - 4])),
+        lambda: (args.pop("temperature"), args.pop("ignore_index"),
+                 args.update(head="policy", entropy=True, top_k=3)),  # an earlier call's parts
+    ]
+    for step in [lambda: None] + steps:
+        step()
+        yield dict(args, hidden=h, target_ids=t), dict(args, **data)
+
+
+def _reference(unary, arrays):
+    # Encoded from fresh option parts: a stale cache entry would not make both results wrong.
+    _api._OPTION_CACHE.clear()
+    return unary.score(**arrays)
+
+
+def test_arguments_changed_between_calls_are_honoured(metered):
+    with logitserve.Client(metered.address, session_streams=0) as unary, \
+            logitserve.Client(metered.address) as streamed, \
+            logitserve.SharedMemoryRegion(unary, 1 << 20) as a, \
+            logitserve.SharedMemoryRegion(unary, 1 << 20) as b:
+        counts = _Counts(metered)
+        calls = 0
+        for shm, arrays in _changing_calls(a, b):
+            got = streamed.score(**shm)
+            _assert_same_bits(got, _reference(unary, arrays))
+            assert len(got.target_logprobs) == len(arrays["target_ids"])
+            calls += 1
+        assert counts.delta() == {"Score": calls, "ScoreStream": calls}
+
+
+def test_async_client_honours_arguments_changed_between_calls(metered):
+    import asyncio
+    with logitserve.Client(metered.address, session_streams=0) as unary, \
+            logitserve.SharedMemoryRegion(unary, 1 << 20) as a, \
+            logitserve.SharedMemoryRegion(unary, 1 << 20) as b:
+
+        async def main():
+            async with logitserve.AsyncClient(metered.address) as c:
+                counts = _Counts(metered)
+                calls = 0
+                for shm, arrays in _changing_calls(a, b):
+                    got = await c.score(**shm)
+                    _assert_same_bits(got, _reference(unary, arrays))
+                    assert len(got.target_logprobs) == len(arrays["target_ids"])
+                    calls += 1
+                assert counts.delta() == {"Score": calls, "ScoreStream": calls}
+
+        asyncio.run(main())
+
 def test_a_call_ends_at_its_deadline_and_its_stream_is_dropped(heads):
     # 1 s per row tile: a call with a 0.3 s deadline raises DEADLINE_EXCEEDED at about 0.3 s
     # (not when the server answers), and the stream it used is cancelled and not reused.
@@ -280,7 +369,7 @@ def test_a_broken_stream_is_dropped_and_the_call_goes_unary(heads):
 
 def test_close_ends_the_streams_cleanly(metered):
     bits, ids = _inputs(ROWS, seed=27)
-    open_before = _open_call_states(metered.metrics_address)
+    open_before = _settled_call_states(metered.metrics_address)
     c = logitserve.Client(metered.address, session_streams=3)
     region, h, t = _region(c, bits, ids)
     start = threading.Barrier(3)
