@@ -28,33 +28,39 @@ void ShutdownSignals::Block() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
-ShutdownSignals::~ShutdownSignals() = default;
+ShutdownSignals::~ShutdownSignals() {
+  absl::MutexLock lock(&state_->mu);
+  state_->exiting = true;
+  state_->in_flight = nullptr;
+}
 
 void ShutdownSignals::Start() {
   // Detached: the thread only ever ends the process or waits; joining it would need a signal.
-  // It touches `this` only under mu_, and the object lives in Run's frame until main returns.
-  std::thread([this] { WatchLoop(); }).detach();
+  // It co-owns the state, which therefore outlives this object (and main).
+  std::thread([state = state_] { WatchLoop(state); }).detach();
 }
 
 void ShutdownSignals::MarkServing() {
-  absl::MutexLock lock(&mu_);
-  serving_ = true;
+  absl::MutexLock lock(&state_->mu);
+  state_->serving = true;
 }
 
 void ShutdownSignals::SetWorkInFlight(std::function<int64_t()> in_flight) {
-  absl::MutexLock lock(&mu_);
-  in_flight_ = std::move(in_flight);
+  absl::MutexLock lock(&state_->mu);
+  state_->in_flight = std::move(in_flight);
 }
 
 int ShutdownSignals::Wait(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  const auto got = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return first_signal_ != 0; };
-  mu_.AwaitWithTimeout(absl::Condition(&got), timeout);
-  return first_signal_;
+  State& st = *state_;
+  absl::MutexLock lock(&st.mu);
+  const auto got = [&st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) { return st.first_signal != 0; };
+  st.mu.AwaitWithTimeout(absl::Condition(&got), timeout);
+  return st.first_signal;
 }
 
-void ShutdownSignals::WatchLoop() {
+void ShutdownSignals::WatchLoop(const std::shared_ptr<State>& state) {
   const sigset_t set = ShutdownSet();
+  State& st = *state;
   while (true) {
     int sig = 0;
     if (sigwait(&set, &sig) != 0) continue;
@@ -62,16 +68,17 @@ void ShutdownSignals::WatchLoop() {
     bool was_serving = false;
     int code = 0;
     {
-      absl::MutexLock lock(&mu_);
-      ++received_;
-      was_serving = serving_;
-      if (!serving_) {
+      absl::MutexLock lock(&st.mu);
+      if (st.exiting) continue;  // main has returned: the process is ending with its own code
+      ++st.received;
+      was_serving = st.serving;
+      if (!st.serving) {
         exit_now = true;  // still starting: nothing admitted, nothing to drain
-      } else if (received_ >= 2) {
+      } else if (st.received >= 2) {
         exit_now = true;
-        code = in_flight_ && in_flight_() > 0 ? kExitForced : 0;
+        code = st.in_flight && st.in_flight() > 0 ? kExitForced : 0;
       } else {
-        first_signal_ = sig;
+        st.first_signal = sig;
       }
     }
     if (exit_now) {

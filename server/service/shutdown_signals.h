@@ -13,6 +13,11 @@
 // The two immediate exits use _exit on purpose, like the fatal-device path: other threads may be
 // blocked in I/O or in a kernel, and nothing of the process's state needs saving.
 //
+// Lifetime: the watcher thread is detached and may take a signal after main has returned (a
+// second SIGTERM while the process exits), so the state it touches lives in a shared State that
+// the thread co-owns, never in this object; once this object is destroyed, signals are ignored
+// (the process is exiting with main's own code).
+//
 // Thread safety: Block and Start once, from the main thread; the rest from any thread.
 #pragma once
 
@@ -20,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -36,7 +42,7 @@ class ShutdownSignals {
   static void Block();
 
   ShutdownSignals() = default;
-  ~ShutdownSignals();  // the watcher thread is detached: it may be in sigwait forever
+  ~ShutdownSignals();  // from now on the watcher ignores signals (it may sigwait forever)
   ShutdownSignals(const ShutdownSignals&) = delete;
   ShutdownSignals& operator=(const ShutdownSignals&) = delete;
 
@@ -51,13 +57,17 @@ class ShutdownSignals {
   int Wait(absl::Duration timeout);
 
  private:
-  void WatchLoop();
+  struct State {
+    absl::Mutex mu;
+    bool serving ABSL_GUARDED_BY(mu) = false;
+    bool exiting ABSL_GUARDED_BY(mu) = false;  // the ShutdownSignals object is gone
+    int first_signal ABSL_GUARDED_BY(mu) = 0;
+    int received ABSL_GUARDED_BY(mu) = 0;
+    std::function<int64_t()> in_flight ABSL_GUARDED_BY(mu);
+  };
+  static void WatchLoop(const std::shared_ptr<State>& state);
 
-  absl::Mutex mu_;
-  bool serving_ ABSL_GUARDED_BY(mu_) = false;
-  int first_signal_ ABSL_GUARDED_BY(mu_) = 0;
-  int received_ ABSL_GUARDED_BY(mu_) = 0;
-  std::function<int64_t()> in_flight_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
 }  // namespace logitserve
