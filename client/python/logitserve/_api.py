@@ -217,6 +217,25 @@ def _float_key(value):
     return None if value is None else _DOUBLE.pack(float(value))
 
 
+def _set_output_options(m, ignore_index, top_k, entropy, reference_entropy, forward_kl,
+                        reverse_kl, jsd_beta, temperature, reference_temperature):
+    """Sets ScoreRequest fields ignore_index .. reference_temperature on message m (for
+    _build_message and _option_parts alike: the same conversions, hence the same errors)."""
+    if ignore_index is not None:
+        m.ignore_index = int(ignore_index)
+    m.top_k = int(top_k or 0)
+    m.entropy = bool(entropy)
+    m.reference_entropy = bool(reference_entropy)
+    m.forward_kl = bool(forward_kl)
+    m.reverse_kl = bool(reverse_kl)
+    if jsd_beta is not None:
+        m.jsd_beta = float(jsd_beta)
+    if temperature is not None:
+        m.temperature = float(temperature)
+    if reference_temperature is not None:
+        m.reference_temperature = float(reference_temperature)
+
+
 def _option_parts(head, reference_head, head_version, reference_head_version, ignore_index,
                   top_k, entropy, reference_entropy, forward_kl, reverse_kl, jsd_beta,
                   temperature, reference_temperature):
@@ -239,19 +258,8 @@ def _option_parts(head, reference_head, head_version, reference_head_version, ig
         b.reference_head = reference_head
     if reference_head_version is not None:
         c.reference_head_version = int(reference_head_version)
-    if ignore_index is not None:
-        d.ignore_index = int(ignore_index)
-    d.top_k = int(top_k or 0)
-    d.entropy = bool(entropy)
-    d.reference_entropy = bool(reference_entropy)
-    d.forward_kl = bool(forward_kl)
-    d.reverse_kl = bool(reverse_kl)
-    if jsd_beta is not None:
-        d.jsd_beta = float(jsd_beta)
-    if temperature is not None:
-        d.temperature = float(temperature)
-    if reference_temperature is not None:
-        d.reference_temperature = float(reference_temperature)
+    _set_output_options(d, ignore_index, top_k, entropy, reference_entropy, forward_kl,
+                        reverse_kl, jsd_beta, temperature, reference_temperature)
     parts = _OptionParts()
     parts.head = a.SerializeToString()
     parts.versions = b.SerializeToString()
@@ -379,19 +387,8 @@ def _build_message(head=None, hidden=None, target_ids=None, reference_head=None,
         r.head_version = int(head_version)
     if reference_head_version is not None:
         r.reference_head_version = int(reference_head_version)
-    if ignore_index is not None:
-        r.ignore_index = int(ignore_index)
-    r.top_k = int(top_k or 0)
-    r.entropy = bool(entropy)
-    r.reference_entropy = bool(reference_entropy)
-    r.forward_kl = bool(forward_kl)
-    r.reverse_kl = bool(reverse_kl)
-    if jsd_beta is not None:
-        r.jsd_beta = float(jsd_beta)
-    if temperature is not None:
-        r.temperature = float(temperature)
-    if reference_temperature is not None:
-        r.reference_temperature = float(reference_temperature)
+    _set_output_options(r, ignore_index, top_k, entropy, reference_entropy, forward_kl,
+                        reverse_kl, jsd_beta, temperature, reference_temperature)
     meta.sequences = None
     if sequence_lengths is not None:
         lengths = [int(x) for x in np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)]
