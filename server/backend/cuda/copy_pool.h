@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -18,7 +17,10 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/backend/cuda/watchdog.h"
 
 namespace logitserve::cuda_internal {
 
@@ -41,9 +43,9 @@ class CopyPool {
 
   // Runs fn(i) for every i < n: fn(1) .. fn(size()) on the pool's threads, fn(0) and any beyond
   // the pool's size on the calling thread; returns when all have. The caller polls for the
-  // pool's part (yielding for the first 2 ms, then napping 50 us) instead of blocking on the
-  // mutex: the end of a job's copies is its caller's critical path, and a blocked thread wakes
-  // tens of microseconds late (a top-k = 64 job of 8192 rows on the H200 machine ended ~80 us
+  // pool's part (PollUntil: yielding for the first 2 ms, then napping 50 us) instead of blocking
+  // on the mutex: the end of a job's copies is its caller's critical path, and a blocked thread
+  // wakes tens of microseconds late (a top-k = 64 job of 8192 rows on the H200 machine ended ~80 us
   // after its last device-to-host copy).
   // REQUIRES: no run in progress (one thread calls Run at a time).
   void Run(size_t n, const std::function<void(size_t)>& fn) {
@@ -58,14 +60,10 @@ class CopyPool {
     }
     fn(0);
     for (size_t i = pooled + 1; i < n; ++i) fn(i);
-    const auto start = std::chrono::steady_clock::now();
-    while (running_.load(std::memory_order_acquire) != 0) {
-      if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(2)) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-    }
+    // No timeout of its own: every share ends (the copy-back's waits have the watchdog's).
+    (void)PollUntil(
+        [this]() -> absl::StatusOr<bool> { return running_.load(std::memory_order_acquire) == 0; },
+        absl::InfiniteDuration(), nullptr, "output copy threads");
   }
 
  private:
