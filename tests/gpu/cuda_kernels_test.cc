@@ -28,6 +28,7 @@
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
 #include "logitserve/kernels/dtype.h"
+#include "tests/gpu/device_array.h"
 #include "tests/gpu/gpu_test_env.h"
 #include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
@@ -55,43 +56,6 @@ constexpr double kFoldRelTol = 64 * kU;
 
 constexpr int64_t kV = 5000;
 constexpr int64_t kRows = 7;
-
-#define ASSERT_CUDA(expr)                                                  \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
-
-// Device memory of n elements of T, freed on scope exit.
-template <typename T>
-class DeviceArray {
- public:
-  explicit DeviceArray(size_t n) : n_(n) {
-    void* p = nullptr;
-    if (n > 0 && cudaMalloc(&p, n * sizeof(T)) == cudaSuccess) p_ = static_cast<T*>(p);
-    if (p_ != nullptr) cudaMemset(p_, 0, n * sizeof(T));
-  }
-  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
-    if (p_ != nullptr) cudaMemcpy(p_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DeviceArray() {
-    if (p_ != nullptr) cudaFree(p_);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  T* get() const { return p_; }
-  std::vector<T> ToHost() const {
-    std::vector<T> h(n_);
-    if (n_ > 0) cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
-
-bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
 // Model logits: rows of different character.
 //   0: normal(0, 3)        1: 20% masked        2: block 1 fully masked
