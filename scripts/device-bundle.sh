@@ -33,7 +33,7 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_EXTRA_ARG
 # Targets: the server, the CLI, every GPU test, the CUDA benchmark (when bench/CMakeLists.txt adds
 # bench/cuda).
 available=$(cmake --build "$BUILD_DIR" --target help | sed -n 's/^\([A-Za-z0-9_.+-]*\): .*/\1/p')
-wanted=(logitserve logitserve-cli cuda_kernels_test cuda_backend_test
+wanted=(logitserve logitserve-cli cuda_kernels_test hidden_stats_test cuda_backend_test
         cuda_backend_conformance_test cuda_backend_edge_cases_test cuda_backend_determinism_test
         cuda_fault_test cuda_sticky_fault_test watchdog_test logitserve-kernel-bench
         cuda_server_fault_test cuda_server_test service_e2e_test serving_e2e_test
@@ -143,7 +143,7 @@ ldd "$here/bin/cuda_backend_test" >>"$out/nvidia-smi.txt" 2>&1 || true
 if want tests; then
   # cuda_sticky_fault_test last: its sticky error is confined to its own process, but it is the
   # one test that deliberately faults the GPU.
-  for t in watchdog_test cuda_kernels_test cuda_backend_test cuda_backend_conformance_test \
+  for t in watchdog_test cuda_kernels_test hidden_stats_test cuda_backend_test cuda_backend_conformance_test \
            cuda_backend_edge_cases_test cuda_backend_determinism_test cuda_fault_test \
            cuda_sticky_fault_test; do
     [ -x "$here/bin/$t" ] && step "$out/tests.log" "$t" "$here/bin/$t"

@@ -183,6 +183,65 @@ cudaError_t LaunchSplitToBf16(FloatType type, const void* src, int64_t src_ld, i
                               int64_t cols, int parts, uint16_t* dst, int64_t dst_rows,
                               int64_t dst_ld, size_t part_stride, cudaStream_t stream);
 
+// ---- Hidden mode on Hopper: the GEMM with the statistics in its epilogue ---------------------
+//
+// logits = x . W^T on the tensor cores (sm_90a: wgmma, bulk tensor copies), reduced to the block
+// records of LaunchBlockStats straight from the fp32 accumulators (hidden_stats_kernel.cu says how
+// and why the bits are batch-, layout- and dtype-invariant). The records are the same statistics
+// as LaunchBlockStats over the GEMM's output, summed in another order (so they agree to rounding,
+// not bit for bit); a backend uses one or the other for every hidden-mode job, never both.
+
+// One distribution's operands: hidden states and head shard as exact bf16 parts
+// (LaunchSplitToBf16's layout), zero-padded to k_pad columns. The launch reads x rows [0, rows)
+// and weight rows [w_row0, w_row0 + cols); reads past x_rows / w_rows are zeros.
+struct HiddenOperand {
+  const uint16_t* x = nullptr;  // x_parts x [x_rows][k_pad], 16-byte aligned
+  int x_parts = 1;
+  int64_t x_rows = 0;
+  const uint16_t* w = nullptr;  // w_parts x [w_rows][k_pad]: weight row = vocabulary column
+  int w_parts = 1;
+  int64_t w_rows = 0;
+  int64_t k_pad = 0;  // a multiple of 8
+  // The head transform and temperature; its bias is indexed from the launch's first column.
+  LoadTransform transform;
+};
+
+// CTAs per cluster sharing operand tiles by multicast: rows x blocks.
+enum class HiddenCluster { k1x1, k2x1, k1x2, k2x2 };
+
+struct HiddenStatsArgs {
+  int64_t rows = 0;    // token rows
+  int64_t w_row0 = 0;  // first weight row of the launch, a multiple of kVocabBlock
+  int64_t col0 = 0;    // its global vocabulary id, a multiple of kVocabBlock
+  int64_t cols = 0;    // columns; those past it (to the end of the last block) are masked
+  // Record of (row r, launch block j) at stats[r * stats_ld + stats_offset + j] (the pair form's
+  // a = model, b = reference; the single form writes b = EmptyBlockStats()).
+  PairBlockStats* stats = nullptr;
+  int64_t stats_ld = 0;
+  int64_t stats_offset = 0;
+  // As LaunchGatherTargets: targets[r * ids_per_row + q] = z of global id ids[r * ids_per_row + q]
+  // when the launch's columns hold it (after the model's transform); other entries untouched.
+  const int32_t* ids = nullptr;
+  int32_t ids_per_row = 0;
+  float* targets = nullptr;
+  // Optional: the raw products (before the transform) of valid rows and columns, for a pass that
+  // reads the logits again (top-k, JSD): element (r, c) at logits[r * logits_ld + c]; logits_ld
+  // even, pointers 8-byte aligned.
+  float* logits_a = nullptr;
+  float* logits_b = nullptr;
+  int64_t logits_ld = 0;
+  HiddenCluster cluster = HiddenCluster::k2x2;
+};
+
+// The pair form when b is not null (a = model, b = reference, the same columns), else the single
+// form of a.
+cudaError_t LaunchHiddenStats(const HiddenOperand& a, const HiddenOperand* b,
+                              const HiddenStatsArgs& args, cudaStream_t stream);
+
+// True when the current device runs LaunchHiddenStats (compute capability 9.0, the binary built
+// with its sm_90a code, the driver's tensor-map encoder present).
+bool HiddenStatsSupported();
+
 // ---- Utilities -------------------------------------------------------------------------------
 
 // Reads `bytes` (a multiple of 16, 16-byte aligned) once with 16-byte loads and writes one word
