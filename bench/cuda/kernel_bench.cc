@@ -15,8 +15,10 @@
 // Hidden mode (N x H x V): policy + reference heads (bf16), outputs target logprobs + entropy of
 // both + forward KL, against two bare cuBLASLt bf16 GEMMs of the same shape (the best heuristic
 // algorithm, bf16 output); also the backend's fixed 1024 x 8192 tile GEMMs alone (the GEMM cost of
-// the pipeline without the statistics), one GPU with the hidden states in pageable host memory
-// (the service's case: copied per row tile), and two GPUs when visible (SPEC: >= 1.9x one GPU).
+// the pipeline without the statistics), the fused GEMM + statistics kernel (--fused-configs:
+// CudaBackendOptions::hidden_fused, with the largest gap of its outputs to the default path's),
+// one GPU with the hidden states in pageable host memory (the service's case: copied per row
+// tile), and two GPUs when visible (SPEC: >= 1.9x one GPU).
 //
 // Long file: one program prints the whole side-by-side table of docs/PERFORMANCE.md (logits and
 // hidden mode, their floors and the configuration sweeps) from one run on one warm GPU; split, the
@@ -233,6 +235,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> tile_rows_list;
   std::vector<int64_t> tile_gemm_rows = {logitserve::kCudaRowTile};
   std::vector<std::string> hidden_configs;
+  std::vector<std::string> fused_configs = {"2x2:2048", "2x1:2048"};
   bool no_logits = false, no_hidden = false;
   std::string json_path;
   app.add_option("--rows", rows, "logits mode: token rows N");
@@ -260,6 +263,11 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
+  app.add_option("--fused-configs", fused_configs,
+                 "hidden mode: also run the 1-GPU Score through the fused GEMM + statistics kernel "
+                 "with these CLUSTER:ROWS (CudaBackendOptions::hidden_fused_cluster, "
+                 "hidden_fused_tile_rows; ROWS 0 = its default); empty = none")
+      ->delimiter(',');
   app.add_option("--json", json_path, "also write results as JSON");
   CLI11_PARSE(app, argc, argv);
 
@@ -590,14 +598,25 @@ int main(int argc, char** argv) {
 
     // host_inputs: the hidden states in pageable host memory, as the service hands them over
     // (copied per row tile), instead of resident on GPU 0.
+    // The fused kernel's configuration (CudaBackendOptions::hidden_fused*; off is the backend's
+    // default).
+    struct Fused {
+      bool on = false;
+      std::string cluster = "2x2";
+      int64_t tile_rows = 0;
+    };
+    ScoreResult first_result;  // the default run's, to compare the other paths with
     auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
-                           bool overlap = true, int stats_chunks = 0,
-                           int64_t row_tile = 0) -> double {
+                           bool overlap = true, int stats_chunks = 0, int64_t row_tile = 0,
+                           Fused fused = Fused{}) -> double {
       logitserve::CudaBackendOptions options;
       options.devices = devs;
       options.overlap_hidden_gemms = overlap;
       if (stats_chunks > 0) options.hidden_stats_chunks = stats_chunks;
       options.hidden_row_tile = row_tile;
+      options.hidden_fused = fused.on;
+      options.hidden_fused_cluster = fused.cluster;
+      options.hidden_fused_tile_rows = fused.tile_rows;
       const double free_before = FreeDeviceBytes(0);
       auto backend = logitserve::CreateCudaBackend(options);
       if (!backend.ok()) {
@@ -668,10 +687,27 @@ int main(int argc, char** argv) {
         wrong += Wrong(result.forward_kl[i], ref.forward_kl[0]);
       }
       total_wrong += wrong;
+      // Against the first run (fused and unfused agree to rounding: report the largest gap).
+      double gap = 0;
+      if (first_result.entropy.empty()) {
+        first_result = result;
+      } else {
+        auto worst = [&](const std::vector<float>& x, const std::vector<float>& y) {
+          for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+            gap = std::max(gap, std::abs(static_cast<double>(x[i]) - y[i]) /
+                                    (1.0 + std::abs(static_cast<double>(y[i]))));
+          }
+        };
+        worst(result.target_logprobs, first_result.target_logprobs);
+        worst(result.entropy, first_result.entropy);
+        worst(result.reference_entropy, first_result.reference_entropy);
+        worst(result.forward_kl, first_result.forward_kl);
+      }
       std::printf(
-          "%-10s Score %.3f ms = %.3f x the two bare GEMMs (SPEC: <= 1.05); %.0f TFLOP/s; heads "
-          "%.0f MB on GPU 0, job workspace %.0f MB; #wrong %d\n",
-          label, ms, ms / bare_ms, flops / (ms * 1e9), heads_mb, extra_mb, wrong);
+          "%-10s Score %.3f ms = %.3f x the two bare GEMMs (SPEC: <= 1.10); %.0f TFLOP/s; heads "
+          "%.0f MB on GPU 0, job workspace %.0f MB; #wrong %d; max |d|/(1+|x|) vs the first "
+          "run %.2e\n",
+          label, ms, ms / bare_ms, flops / (ms * 1e9), heads_mb, extra_mb, wrong, gap);
       out["hidden"][label] = {{"ms", ms},
                               {"ratio_to_bare", ms / bare_ms},
                               {"wrong", wrong},
@@ -731,6 +767,20 @@ int main(int argc, char** argv) {
       cublasLtDestroy(lt);
     }
     const double one = run_backend({0}, "1 GPU", false);
+    for (const std::string& config : fused_configs) {
+      // CLUSTER:ROWS
+      const std::vector<std::string> f = absl::StrSplit(config, ':');
+      Fused fz;
+      fz.on = true;
+      if (f.size() != 2 || !absl::SimpleAtoi(f[1], &fz.tile_rows)) {
+        std::fprintf(stderr, "--fused-configs: bad entry '%s'\n", config.c_str());
+        return 1;
+      }
+      fz.cluster = f[0];
+      const std::string label = "1 GPU, fused, cluster " + f[0] + ", row tile " + f[1];
+      run_backend({0}, label.c_str(), false, true, 0, 0, fz);
+    }
+
     for (const std::string& config : hidden_configs) {
       // ROWS:CHUNKS[:serial]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
@@ -746,7 +796,9 @@ int main(int argc, char** argv) {
                                 (serial ? ", GEMMs on the statistics stream" : "");
       run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile);
     }
-    run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false);
+    if (!hidden_configs.empty()) {
+      run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false);
+    }
     run_backend({0}, "1 GPU, host hidden states", true);
     if (devices >= 2) {
       const double two = run_backend({0, 1}, "2 GPUs", false);

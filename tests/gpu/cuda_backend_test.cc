@@ -322,6 +322,55 @@ INSTANTIATE_TEST_SUITE_P(Sweep, CudaHidden, ::testing::ValuesIn(HiddenCases()),
                                   info.param.transform_name;
                          });
 
+// The two hidden-mode paths of CudaBackend: the fused GEMM + statistics kernel (the default on
+// compute capability 9.0; elsewhere this runs the cuBLASLt path twice) and cuBLASLt tiles read back
+// by the statistics kernel. Each against the fp64 reference, and against each other on every
+// output (they sum in different orders: GEMM roundings of both sides, as GPU vs CPU above).
+TEST(CudaHiddenPaths, FusedAndTiledAgree) {
+  constexpr int64_t kVocab = 9000, kH = 200, kHRef = 136, kN = 300;
+  std::mt19937_64 rng(61);
+  HeadTransform gemma;
+  gemma.softcap = 30.0f;
+  const auto model_w =
+      RandomHead(rng, kVocab, kH, FloatType::kBFloat16, 3.0 / std::sqrt(200.0), true, gemma);
+  const auto ref_w = RandomHead(rng, kVocab, kHRef, FloatType::kFloat32, 3.0 / std::sqrt(136.0),
+                                false, HeadTransform{});
+  const SharedMatrix h =
+      Share(Encode(FloatType::kBFloat16, kN, kH, RandomNormal(rng, kN * kH, 1.0)));
+  const SharedMatrix hr =
+      Share(Encode(FloatType::kFloat16, kN, kHRef, RandomNormal(rng, kN * kHRef, 1.0)));
+  const std::vector<int32_t> ids = RandomTargets(rng, kN, 2, kVocab, -100, 0.15);
+  std::vector<ScoreResult> results;
+  for (bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused" : "cuBLASLt tiles");
+    CudaBackendOptions o;
+    o.devices = {0};
+    o.hidden_fused = fused;
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+    ASSERT_TRUE(b.ok()) << b.status();
+    absl::StatusOr<std::shared_ptr<const PreparedHead>> m = (*b)->PrepareHead(model_w);
+    absl::StatusOr<std::shared_ptr<const PreparedHead>> r = (*b)->PrepareHead(ref_w);
+    ASSERT_TRUE(m.ok() && r.ok());
+    OwnedJob j;
+    j.SetModelHidden(*m, h, 0.8f).SetReferenceHidden(*r, hr);
+    j.WithEverything(ids, 2, 4, 0.3f);
+    LOGITSERVE_ASSERT_SCORE(got, **b, j.job);
+    ExpectMatchesReference(j.job, got);
+    results.push_back(got);
+    if (fused) {
+      OwnedJob k;  // top-k and JSD keep the fused kernel's logits: a job without them too
+      k.SetModelHidden(*m, h).SetReferenceHidden(*r, hr).WithTargets(ids, 2).WithEntropy();
+      k.WithForwardKl();
+      LOGITSERVE_ASSERT_SCORE(plain, **b, k.job);
+      ExpectMatchesReference(k.job, plain);
+    }
+  }
+  OwnedJob shape;
+  shape.WithEverything(ids, 2, 4, 0.3f);
+  shape.job.rows = kN;
+  CompareWithCpu(shape.job, results[0], results[1], kGpuCpuHiddenRelTol);
+}
+
 // ---- (b) determinism -----------------------------------------------------------------------
 
 // Layouts whose results must all be the same bits: one GPU, three shards on one GPU with an
@@ -337,6 +386,35 @@ std::vector<BackendFactory> Layouts() {
   } else {
     std::printf("[ skipped   ] two-GPU layout: only %d CUDA device visible\n",
                 VisibleCudaDevices());
+  }
+  return f;
+}
+
+// Layouts() through the fused hidden-mode kernel (CudaBackendOptions::hidden_fused), in 512-row
+// pipelined tiles (an 1100-row job: three, the last partial); the path's own bits must agree
+// across them as the cuBLASLt path's do.
+std::vector<BackendFactory> FusedLayouts() {
+  struct L {
+    const char* name;
+    int shards;
+    std::vector<int64_t> weights;
+    std::vector<int> devices;
+  };
+  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}},
+                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}},
+                       {"fused_shards_2_1_0", 3, {2, 1, 0}, {0}}};
+  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}});
+  std::vector<BackendFactory> f;
+  for (const L& l : ls) {
+    f.push_back(BackendFactory{l.name, [l]() {
+                                 CudaBackendOptions o;
+                                 o.devices = l.devices;
+                                 o.shards = l.shards;
+                                 o.shard_weights = l.weights;
+                                 o.hidden_fused = true;
+                                 o.hidden_fused_tile_rows = 512;
+                                 return CreateCudaBackend(o);
+                               }});
   }
   return f;
 }
@@ -560,7 +638,7 @@ TEST(CudaDeterminism, LargeOutputsCopiedByThreads) {
 
 // Hidden mode: a row alone vs in batches of 1100 at positions 511 and 600 (other 512-row tiles,
 // other offsets in them), hidden states as fp32 / bf16 / fp16 with equal values (k/16), heads in
-// bf16 and fp32, on every layout.
+// bf16 and fp32, on every layout; for each hidden-mode path (cuBLASLt tiles, the fused kernel).
 TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
   constexpr int64_t kVocab = 20000, kH = 256, kHRef = 128;
   std::mt19937_64 rng(29);
@@ -590,36 +668,39 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
     std::copy(ids.begin(), ids.end(), b.ids.begin() + pos * 3);
     batches.push_back(std::move(b));
   }
-  std::unique_ptr<ScoreResult> baseline;
-  for (const BackendFactory& f : Layouts()) {
-    SCOPED_TRACE(f.name);
-    std::unique_ptr<Backend> b = MustCreate(f);
-    ASSERT_NE(b, nullptr);
-    absl::StatusOr<std::shared_ptr<const PreparedHead>> model = b->PrepareHead(model_w);
-    absl::StatusOr<std::shared_ptr<const PreparedHead>> ref = b->PrepareHead(ref_w);
-    ASSERT_TRUE(model.ok()) << model.status();
-    ASSERT_TRUE(ref.ok()) << ref.status();
-    for (FloatType t : {FloatType::kFloat32, FloatType::kBFloat16, FloatType::kFloat16}) {
-      SCOPED_TRACE(DTypeName(t));
-      OwnedJob alone;
-      alone.SetModelHidden(*model, Share(Encode(t, 1, kH, row)))
-          .SetReferenceHidden(*ref, Share(Encode(t, 1, kHRef, row_ref)));
-      alone.WithEverything(ids, 3, kTopK, 0.3f);
-      LOGITSERVE_ASSERT_SCORE(got_alone, *b, alone.job);
-      if (baseline == nullptr) {
-        ExpectMatchesReference(alone.job, got_alone);
-        baseline = std::make_unique<ScoreResult>(got_alone);
-      } else {
-        ExpectBitwiseEqual(got_alone, *baseline);
-      }
-      for (const Batch& bt : batches) {
-        SCOPED_TRACE("batch of " + std::to_string(bt.n) + " at " + std::to_string(bt.pos));
-        OwnedJob j;
-        j.SetModelHidden(*model, Share(Encode(t, bt.n, kH, bt.h)))
-            .SetReferenceHidden(*ref, Share(Encode(t, bt.n, kHRef, bt.hr)));
-        j.WithEverything(bt.ids, 3, kTopK, 0.3f);
-        LOGITSERVE_ASSERT_SCORE(got, *b, j.job);
-        ExpectRowBitwiseEqual(*baseline, 0, got, bt.pos, 3, kTopK);
+  // Each hidden-mode path has its own bits (they agree to rounding: CudaHiddenPaths).
+  for (const std::vector<BackendFactory>& layouts : {Layouts(), FusedLayouts()}) {
+    std::unique_ptr<ScoreResult> baseline;
+    for (const BackendFactory& f : layouts) {
+      SCOPED_TRACE(f.name);
+      std::unique_ptr<Backend> b = MustCreate(f);
+      ASSERT_NE(b, nullptr);
+      absl::StatusOr<std::shared_ptr<const PreparedHead>> model = b->PrepareHead(model_w);
+      absl::StatusOr<std::shared_ptr<const PreparedHead>> ref = b->PrepareHead(ref_w);
+      ASSERT_TRUE(model.ok()) << model.status();
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      for (FloatType t : {FloatType::kFloat32, FloatType::kBFloat16, FloatType::kFloat16}) {
+        SCOPED_TRACE(DTypeName(t));
+        OwnedJob alone;
+        alone.SetModelHidden(*model, Share(Encode(t, 1, kH, row)))
+            .SetReferenceHidden(*ref, Share(Encode(t, 1, kHRef, row_ref)));
+        alone.WithEverything(ids, 3, kTopK, 0.3f);
+        LOGITSERVE_ASSERT_SCORE(got_alone, *b, alone.job);
+        if (baseline == nullptr) {
+          ExpectMatchesReference(alone.job, got_alone);
+          baseline = std::make_unique<ScoreResult>(got_alone);
+        } else {
+          ExpectBitwiseEqual(got_alone, *baseline);
+        }
+        for (const Batch& bt : batches) {
+          SCOPED_TRACE("batch of " + std::to_string(bt.n) + " at " + std::to_string(bt.pos));
+          OwnedJob j;
+          j.SetModelHidden(*model, Share(Encode(t, bt.n, kH, bt.h)))
+              .SetReferenceHidden(*ref, Share(Encode(t, bt.n, kHRef, bt.hr)));
+          j.WithEverything(bt.ids, 3, kTopK, 0.3f);
+          LOGITSERVE_ASSERT_SCORE(got, *b, j.job);
+          ExpectRowBitwiseEqual(*baseline, 0, got, bt.pos, 3, kTopK);
+        }
       }
     }
   }
@@ -864,6 +945,9 @@ TEST(CudaErrors, StopBeforeARowTileEndsTheJobOnEveryRankAndTheBackendRecovers) {
     // Staging for exactly kTileRows rows of the widest shard (ids rounded up to 8) of two bf16
     // distributions: kTiles tiles.
     o.logits_staging_bytes = static_cast<size_t>(kTileRows * RoundUpTo8(c.widest) * 2 * 2);
+    // The hidden workload's three row tiles, on either hidden-mode path (the fused kernel's own
+    // default tile is larger).
+    o.hidden_fused_tile_rows = kCudaRowTile;
     absl::StatusOr<std::unique_ptr<Backend>> made = CreateCudaBackend(o);
     ASSERT_TRUE(made.ok()) << made.status();
     Backend& b = **made;

@@ -72,8 +72,12 @@ using cuda_internal::TopKTileRows;
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const CudaBackendOptions& options, std::vector<std::unique_ptr<Rank>> ranks,
-              TestFault fault)
-      : options_(options), fault_(fault), ranks_(std::move(ranks)) {
+              TestFault fault, bool fused, kc::HiddenCluster cluster)
+      : options_(options),
+        fault_(fault),
+        fused_(fused),
+        fused_cluster_(cluster),
+        ranks_(std::move(ranks)) {
     for (auto& r : ranks_) {
       if (r->nccl != nullptr) r->nccl->set_fatal_state(&fatal_);
     }
@@ -113,8 +117,14 @@ class CudaBackend final : public Backend {
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
   absl::Status CheckHead(const DistributionInput& in) const;
 
+  // Rows per row tile of a fused hidden-mode job (JobPlan::fused).
+  int64_t FusedTileRows(const ScoreJob& job, bool keeps_logits, int64_t widest) const;
+
   const CudaBackendOptions options_;
   const TestFault fault_;
+  // Every rank's device runs the fused hidden-mode kernel and options_.hidden_fused is on.
+  const bool fused_;
+  const kc::HiddenCluster fused_cluster_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   FatalState fatal_;
   absl::Mutex score_mu_;  // one job at a time uses the ranks
@@ -282,7 +292,15 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.model_pageable_hidden = job.model.hidden_mode() && IsPageable(job.model.hidden.data);
   p.ref_pageable_hidden =
       p.pair && job.reference.hidden_mode() && IsPageable(job.reference.hidden.data);
-  if (p.any_hidden) {
+  p.fused = fused_ && job.model.hidden_mode() && (!p.pair || job.reference.hidden_mode());
+  if (p.fused) {
+    p.fused_logits = job.top_k > 0 || p.jsd_pass;
+    p.fused_cluster = fused_cluster_;
+    p.overlap_gemms = false;
+    // One chunk: the widest shard (the logits slots, when kept, and the top-k / JSD sources).
+    p.chunk_cols = RoundUp(std::max<int64_t>(widest, 1), 8);
+    p.tile_rows = FusedTileRows(job, p.fused_logits, p.chunk_cols);
+  } else if (p.any_hidden) {
     // The GEMM's shape: the full row tile, or for a job of fewer rows the shortest short tile
     // that holds them and that every head's pinned GEMM runs (the same kernel: same bits).
     p.tile_rows = HiddenRowTile();
@@ -322,6 +340,18 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   }
   p.msg = kc::MakeTileMessage(p.tile_rows, p.max_blocks, job.top_k, job.ids_per_row);
   return p;
+}
+
+int64_t CudaBackend::FusedTileRows(const ScoreJob& job, bool keeps_logits, int64_t widest) const {
+  int64_t rows = options_.hidden_fused_tile_rows > 0 ? options_.hidden_fused_tile_rows
+                                                     : cuda_internal::kFusedTileRows;
+  if (keeps_logits && options_.hidden_fused_tile_rows == 0) {
+    const int64_t dists = job.NeedsReference() ? 2 : 1;
+    rows = std::min(rows, cuda_internal::kFusedLogitsBytes / (2 * dists * widest * 4));
+  }
+  // Whole 128-row CTA tiles, no more than the job needs (any count gives the same bits).
+  rows = std::min(rows, RoundUp(job.rows, 128));
+  return std::max<int64_t>(rows / 128 * 128, 128);
 }
 
 absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
@@ -530,6 +560,30 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   if (options.collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("collective_timeout must be > 0");
   }
+  if (options.hidden_fused_tile_rows < 0 || options.hidden_fused_tile_rows % 128 != 0 ||
+      options.hidden_fused_tile_rows > 65536) {
+    return absl::InvalidArgumentError(
+        "hidden_fused_tile_rows must be 0 or a multiple of 128 <= 65536");
+  }
+  kc::HiddenCluster fused_cluster = kc::HiddenCluster::k2x2;
+  {
+    const std::pair<const char*, kc::HiddenCluster> names[] = {{"1x1", kc::HiddenCluster::k1x1},
+                                                               {"2x1", kc::HiddenCluster::k2x1},
+                                                               {"1x2", kc::HiddenCluster::k1x2},
+                                                               {"2x2", kc::HiddenCluster::k2x2}};
+    bool known = false;
+    for (const auto& [name, c] : names) {
+      if (options.hidden_fused_cluster == name) {
+        fused_cluster = c;
+        known = true;
+      }
+    }
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat("hidden_fused_cluster '",
+                                                     options.hidden_fused_cluster,
+                                                     "' is not one of 1x1, 2x1, 1x2, 2x2"));
+    }
+  }
   LOGITSERVE_ASSIGN_OR_RETURN(TestFault fault, ParseTestFault(options.test_fault, shards));
   if (fault.kind == TestFault::kSkipCollective && shards > static_cast<int>(devices.size())) {
     return absl::InvalidArgumentError(
@@ -541,6 +595,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   std::vector<std::unique_ptr<Rank>> ranks;
   std::vector<int> rank_devices;
   std::vector<cudaStream_t> streams;
+  bool fused = options.hidden_fused;
   for (int r = 0; r < shards; ++r) {
     auto rank = std::make_unique<Rank>();
     rank->index = r;
@@ -582,6 +637,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
+    fused = fused && kc::HiddenStatsSupported();
     if (r == 0) {  // the reporting rank; its worker thread is the copy-back's first thread
       rank->copy_pool = std::make_unique<CopyPool>(cuda_internal::MaxCopyThreads() - 1);
     }
@@ -601,7 +657,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       rank.nccl = distinct ? static_cast<NcclCommunicator*>(rank.comm.get()) : nullptr;
     }
   }
-  return std::unique_ptr<Backend>(new CudaBackend(options, std::move(ranks), fault));
+  return std::unique_ptr<Backend>(
+      new CudaBackend(options, std::move(ranks), fault, fused, fused_cluster));
 }
 
 }  // namespace logitserve

@@ -5,7 +5,8 @@
 //
 //   every rank computes per-(row, block) statistics of its shard (logits mode: straight from the
 //     request's logits; hidden mode: cuBLASLt GEMM per 8192-id chunk into an L2-sized fp32 tile,
-//     then the same statistics kernel reads it back), its top-k candidates and its target logits;
+//     then the same statistics kernel reads it back, or, with hidden_fused on a Hopper GPU, one
+//     fused GEMM + statistics kernel per row tile), its top-k candidates and its target logits;
 //     hidden mode runs the GEMMs on a second stream into two alternating tiles, so the statistics
 //     of chunk c (and the tile's all-gather and fold) overlap the GEMMs of the next chunks;
 //   the ranks all-gather those small records (NCCL);
@@ -105,6 +106,22 @@ struct CudaBackendOptions {
   // of fewer rows multiplies one of the short tiles of cuda_tile_gemm.h instead, the same pinned
   // algorithm (batch invariance: a row gets the same bits in either).
   int64_t hidden_row_tile = 0;
+  // Hidden mode on GPUs of compute capability 9.0 (H100, H200; a build for sm_90): the fused
+  // kernel (kernels/cuda/hidden_stats_kernel.cu) computes each row tile's logits on the tensor
+  // cores and reduces them to the block statistics in registers, so no logits tile reaches device
+  // memory (with top-k or JSD it also writes them for the second read), instead of the cuBLASLt
+  // tiles above and the statistics kernel. Used for every job whose distributions are all in
+  // hidden mode, on every GPU of the backend or on none; the two paths agree to rounding, not bit
+  // for bit, and each is batch-, layout- and dtype-invariant on its own. Off by default: correct
+  // (every GPU suite passes on it) but slower today, H200, N 8192, H 4096, V 151936 pair: 45.4 ms
+  // (2x2 clusters) against 35.1 ms for the tiles, bound by L2 bandwidth (ncu: L2 98 %, tensor
+  // pipe 44 %); docs/PERFORMANCE.md has the measurements and what the kernel needs next.
+  bool hidden_fused = false;
+  // Fused path: rows per pipelined row tile (a multiple of 128; 0 = kFusedTileRows, fewer when
+  // top-k or JSD keep the logits), and CTAs per cluster sharing operand tiles by multicast,
+  // "RxB" for R row tiles x B vocabulary blocks: 1x1, 2x1, 1x2 or 2x2. Neither changes a result.
+  int64_t hidden_fused_tile_rows = 0;
+  std::string hidden_fused_cluster = "2x2";
   // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
   // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
   // order the ranks meet before each all-gather: one per row tile, two with a JSD pass). Exercises

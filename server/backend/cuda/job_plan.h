@@ -28,6 +28,13 @@ constexpr int64_t kMaxLogitsTileRows = 8192;
 // ms against 0.334 with 1024-row tiles, JSD 1.626 against 1.747): their tails are mostly fixed
 // latency.
 inline int64_t TopKTileRows(int32_t k) { return k <= 128 ? 2048 : 1024; }
+// Fused hidden mode, CudaBackendOptions::hidden_fused_tile_rows = 0: rows per pipelined tile
+// (consecutive tiles' kernels run on the two statistics streams, so one tile's last wave can share
+// the GPU with the next tile's first), and at most the rows whose two logits slots per
+// distribution fit in kFusedLogitsBytes when top-k or JSD keep them. H200, 8192 rows, first kernel:
+// 1024 / 2048 / 4096 / 8192-row tiles 55.6 / 56.5 / 57.3 / 57.7 ms.
+constexpr int64_t kFusedTileRows = 2048;
+constexpr int64_t kFusedLogitsBytes = int64_t{512} << 20;
 // first_bad_row's "no bad row" value (cudaMemset byte 0x7f).
 constexpr int32_t kNoBadRow = 0x7f7f7f7f;
 
@@ -45,6 +52,14 @@ struct JobPlan {
   bool jsd_pass = false;  // 0 < beta < 1: second pass
   int32_t jsd_endpoint = 0;
   bool any_hidden = false;
+  // Hidden mode through the fused GEMM + statistics kernel (kc::LaunchHiddenStats; every
+  // distribution of the job in hidden mode, a Hopper GPU on every rank): the job then runs as a
+  // row-tile pipeline like logits mode (RankWorker::ComputeLogitsTile), each tile's fused launch
+  // in place of its statistics launch. `fused_logits`: top-k or a JSD pass reads the logits again,
+  // so the fused launch also writes them into two alternating slots of [tile_rows][chunk_cols].
+  bool fused = false;
+  bool fused_logits = false;
+  kc::HiddenCluster fused_cluster = kc::HiddenCluster::k2x2;
   // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
   // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
   bool overlap_gemms = false;

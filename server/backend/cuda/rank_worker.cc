@@ -34,12 +34,22 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
     d.transform = HeadLogitTransform(d.head->weights().transform, in.temperature);
     if (shard_width_ > 0) {
       const size_t h = static_cast<size_t>(in.hidden.cols);
-      off[1] = carver.Add(rows * h * static_cast<size_t>(k::SizeOf(in.hidden.type)));
-      off[2] = carver.Add(static_cast<size_t>(d.hidden_parts) * rows *
-                          static_cast<size_t>(d.head->k_pad) * sizeof(uint16_t));
+      // Fused: two buffers, one per pipelined tile in flight.
+      const size_t bufs = plan_.fused ? 2 : 1;
+      d.direct = plan_.fused && DeviceOf(in.hidden.data) == rank_.device;
+      d.raw_bytes = d.direct ? 0 : rows * h * static_cast<size_t>(k::SizeOf(in.hidden.type));
+      d.x_elems = static_cast<size_t>(d.hidden_parts) * rows * static_cast<size_t>(d.head->k_pad);
+      off[1] = carver.Add(bufs * d.raw_bytes);
+      off[2] = carver.Add(bufs * d.x_elems * sizeof(uint16_t));
       // JSD's second pass reads the tile's logits again: keep every chunk rather than recompute.
-      // Otherwise two slots: the GEMMs fill one while the statistics read the other.
-      d.n_slots = plan_.jsd_pass ? num_chunks_ : 2;
+      // Otherwise two slots: the GEMMs fill one while the statistics read the other. Fused: two
+      // slots of the whole shard when top-k or JSD read the logits again (tile t in slot t % 2),
+      // else none.
+      if (plan_.fused) {
+        d.n_slots = plan_.fused_logits ? 2 : 0;
+      } else {
+        d.n_slots = plan_.jsd_pass ? num_chunks_ : 2;
+      }
       off[3] = carver.Add(static_cast<size_t>(d.n_slots) * rows *
                           static_cast<size_t>(plan_.chunk_cols) * sizeof(float));
     }
@@ -188,7 +198,9 @@ absl::Status RankWorker::Prepare() {
   io_outputs_at_ = (ids_count * sizeof(int32_t) + 255) / 256 * 256;
   LOGITSERVE_RETURN_IF_ERROR(rank_.host_io.Reserve(io_outputs_at_ + out_block_bytes_));
   setup_ = SetUp::kReady;
-  return pipelined() ? absl::OkStatus() : IssueSetUpCopies();
+  // Hidden mode's first kernels read the target ids (the fused kernel gathers the targets): the
+  // set-up copies go first.
+  return plan_.any_hidden ? IssueSetUpCopies() : absl::OkStatus();
 }
 
 // The job's small set-up copies go on the GEMM stream, where they run while the statistics kernel
@@ -244,19 +256,27 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   const int64_t es = k::SizeOf(h.type);
   const size_t bytes = static_cast<size_t>(rows * h.cols * es);
   const uint8_t* src = static_cast<const uint8_t*>(h.data) + row0 * h.cols * es;
-  if (d.pinned[0] != nullptr) {
-    // Run() has waited for tile t - 2, the last reader of this pinned tile.
-    uint8_t* pinned = d.pinned[static_cast<size_t>((row0 / plan_.tile_rows) % 2)];
-    std::memcpy(pinned, src, bytes);
-    src = pinned;
+  // Fused: the tile's buffers (t % 2), on the tile's statistics stream (its earlier user, tile
+  // t - 2, ran on the same stream). Otherwise one buffer, on gemm_stream, behind the previous
+  // tile's GEMMs (the only readers of raw and x_parts).
+  const size_t b = plan_.fused ? static_cast<size_t>((row0 / plan_.tile_rows) % 2) : 0;
+  const cudaStream_t on = plan_.fused ? logits_stream : gemm_stream();
+  uint16_t* x_parts = d.x_parts + b * d.x_elems;
+  if (!d.direct) {
+    if (d.pinned[0] != nullptr) {
+      // Run() has waited for tile t - 2, the last reader of this pinned tile.
+      uint8_t* pinned = d.pinned[static_cast<size_t>((row0 / plan_.tile_rows) % 2)];
+      std::memcpy(pinned, src, bytes);
+      src = pinned;
+    }
+    uint8_t* raw = d.raw + b * d.raw_bytes;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(raw, src, bytes, cudaMemcpyDefault, on));
+    src = raw;
   }
-  // On gemm_stream, behind the previous tile's GEMMs (the only readers of raw and x_parts).
-  LOGITSERVE_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(d.raw, src, bytes, cudaMemcpyDefault, gemm_stream()));
   // Rows past `rows` become zeros: the GEMM always multiplies the row tile's rows.
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchSplitToBf16(
-      h.type, d.raw, h.cols, rows, h.cols, d.hidden_parts, d.x_parts, plan_.tile_rows,
-      d.head->k_pad, static_cast<size_t>(plan_.tile_rows * d.head->k_pad), gemm_stream()));
+      h.type, src, h.cols, rows, h.cols, d.hidden_parts, x_parts, plan_.tile_rows, d.head->k_pad,
+      static_cast<size_t>(plan_.tile_rows * d.head->k_pad), on));
   return absl::OkStatus();
 }
 
@@ -278,6 +298,16 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
       src.data = d.staging + cc0 * es;
       src.ld = d.staging_ld;
     }
+    return src;
+  }
+  if (plan_.fused) {
+    // The logits the fused launch of this tile wrote (slot_index: the tile's slot, t % 2).
+    if (d.n_slots == 0) return absl::InternalError("the fused job keeps no logits");
+    src.type = k::FloatType::kFloat32;
+    src.data = d.slots + slot_index * plan_.tile_rows * plan_.chunk_cols;
+    src.ld = plan_.chunk_cols;
+    const CudaHead::Shard& hs = d.head->shards[static_cast<size_t>(rank_.index)];
+    if (hs.bias.data() != nullptr) src.transform.bias = hs.bias.as<float>() + cc0;
     return src;
   }
   // Hidden mode: slot columns [cc0, cc0 + chunk_cols) of the head shard, as whole GEMM chunks
@@ -336,24 +366,38 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
     if (tile >= 2) {
       LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.message_free[s]));
     }
-    const bool staged = !model_.zero_copy || (plan_.pair && !ref_.zero_copy);
+    // (Fused hidden mode double-buffers its inputs: nothing to wait for.)
+    const bool staged = !plan_.fused && (!model_.zero_copy || (plan_.pair && !ref_.zero_copy));
     if (staged && tile >= 1) {
       LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.message_free[s ^ 1]));
+    }
+    if (plan_.fused && tile < 2) {  // the fused kernel reads the target ids
+      LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.uploaded));
     }
     LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows, stats));
     if (plan_.pair) {
       LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows, stats));
     }
-    // Logits mode reads the widest shard in one chunk (JobPlan::chunk_cols).
-    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource a, Source(model_, 0, row0, false, 0));
-    kc::LogitsSource b;
-    if (plan_.pair) {
-      LOGITSERVE_ASSIGN_OR_RETURN(b, Source(ref_, 0, row0, false, 0));
+    // Logits mode reads the widest shard in one chunk (JobPlan::chunk_cols); fused hidden mode
+    // the logits its launch keeps for top-k / JSD, in the tile's slot.
+    kc::LogitsSource a, b;
+    if (!plan_.fused || plan_.fused_logits) {
+      LOGITSERVE_ASSIGN_OR_RETURN(a, Source(model_, 0, row0, false, s));
+      if (plan_.pair) {
+        LOGITSERVE_ASSIGN_OR_RETURN(b, Source(ref_, 0, row0, false, s));
+      }
     }
     const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
     k::PairBlockStats* records = StatsOf(msg, m);
     JobTrace::Mark("stats begin", stats);
-    if (job_.top_k > 0) {
+    if (plan_.fused) {
+      // Statistics and target logits from the fused kernel; top-k's lane maxima from its logits.
+      LOGITSERVE_RETURN_IF_ERROR(LaunchFused(row0, rows, msg, stats));
+      if (job_.top_k > 0) {
+        LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTopKLaneMax(
+            a, nullptr, rows, nullptr, m.max_blocks, 0, job_.top_k, topk_scratch_[s], stats));
+      }
+    } else if (job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchTopKLaneMax(a, ref, rows, records, m.max_blocks, 0,
                                                             job_.top_k, topk_scratch_[s], stats));
     } else {
@@ -361,9 +405,9 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
           kc::LaunchBlockStats(a, ref, rows, records, m.max_blocks, 0, stats));
     }
     JobTrace::Mark("stats end", stats);
-    // The target logits of the tile's rows, read from `a`, into the message.
+    // The target logits of the tile's rows, read from `a`, into the message (fused: done).
     auto gather = [&](cudaStream_t on) -> absl::Status {
-      if (job_.ids_per_row == 0) return absl::OkStatus();
+      if (job_.ids_per_row == 0 || plan_.fused) return absl::OkStatus();
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
           kc::LaunchGatherTargets(a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row,
                                   reinterpret_cast<float*>(msg + m.target_offset), on));
@@ -401,87 +445,6 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
   return absl::OkStatus();
 }
 
-absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
-  const kc::TileMessage& m = plan_.msg;
-  // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % 2:
-  // its GEMMs wait until the statistics of chunk g - 2 are done with that slot, and its statistics
-  // wait until its GEMMs are done. With a JSD pass every chunk of the tile keeps its own slot until
-  // the pass, so the tile's GEMMs wait for the previous tile's pass instead. Both streams' order
-  // and every kernel's inputs are those of one stream: the bits do not change.
-  const bool split = plan_.any_hidden && plan_.overlap_gemms;
-  auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
-    return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
-                      __LINE__);
-  };
-  auto record = [](const CudaEvent& e, cudaStream_t on) {
-    return CudaStatus(cudaEventRecord(e.get(), on), "cudaEventRecord", __FILE__, __LINE__);
-  };
-  if (split && plan_.jsd_pass && row0 > 0) {
-    LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slots_released));
-  }
-  LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows, stream()));
-  if (plan_.pair) {
-    LOGITSERVE_RETURN_IF_ERROR(BeginTile(ref_, row0, rows, stream()));
-  }
-  uint8_t* msg = send_[0];
-  k::PairBlockStats* stats = StatsOf(msg, m);
-  auto* lists = reinterpret_cast<k::TopKEntry*>(msg + m.topk_offset);
-  auto* counts = reinterpret_cast<int32_t*>(msg + m.count_offset);
-  auto* targets = reinterpret_cast<float*>(msg + m.target_offset);
-  bool cleared = false;  // the uploads are issued and the top-k counts cleared (below)
-  for (int64_t c = 0; c < num_chunks_; ++c) {
-    const int64_t g = chunk_seq_++;
-    const size_t e = static_cast<size_t>(g % 2);
-    const int64_t slot = plan_.jsd_pass ? c : g % 2;
-    if (split && !plan_.jsd_pass && g >= 2) {
-      LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slot_free[e]));
-    }
-    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource a,
-                                Source(model_, c, row0, /*compute=*/true, slot));
-    kc::LogitsSource b;
-    if (plan_.pair) {
-      LOGITSERVE_ASSIGN_OR_RETURN(b, Source(ref_, c, row0, /*compute=*/true, slot));
-    }
-    if (split) {
-      LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled[e], gemm_stream()));
-      LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
-    }
-    const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
-    const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
-    if (job_.top_k > 0) {
-      // Only the top-k counts need a defined start: every statistics record and every target
-      // logit the fold reads is written by this tile's kernels (a target id is read from the
-      // rank whose columns hold it).
-      if (c == 0) {
-        LOGITSERVE_RETURN_IF_CUDA_ERROR(
-            cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
-      }
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStatsTopK(a, ref, rows, stats, m.max_blocks,
-                                                               local_block, job_.top_k, lists,
-                                                               counts, topk_scratch_[0], stream()));
-    } else {
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream()));
-    }
-    if (c == 0) {
-      cleared = true;
-      LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
-    }
-    if (job_.ids_per_row > 0) {
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
-          a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
-    }
-    if (split && !plan_.jsd_pass) {
-      LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_free[e], stream()));
-    }
-  }
-  if (!cleared && job_.top_k > 0) {  // a shard without columns: empty lists
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(
-        cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(rows), stream()));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   if (auto s = IssueUploads(); !s.ok()) return s;  // a shard without columns launched nothing
   kc::GatheredTile tile;
@@ -502,8 +465,11 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(partial_send_, 0, bytes, stream()));
   for (int64_t c = 0; c < num_chunks_; ++c) {
     // Logits mode reads the staged (or resident) tile again; hidden mode its kept chunks.
-    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource s, Source(model_, c, row0, /*compute=*/false, c));
-    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource t, Source(ref_, c, row0, /*compute=*/false, c));
+    // (Fused hidden mode: the tile's slot.)
+    const int64_t slot = plan_.fused ? slot_ : c;
+    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource s,
+                                Source(model_, c, row0, /*compute=*/false, slot));
+    LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource t, Source(ref_, c, row0, /*compute=*/false, slot));
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchJsdPartials(s, t, rows, folded_a_, folded_b_,
                                                           *job_.jsd_beta, partial_send_,
@@ -511,7 +477,7 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   }
   JobTrace::Mark("jsd partials end", stream());
   // The next tile's GEMMs may overwrite the kept chunks now.
-  if (plan_.any_hidden) {
+  if (plan_.any_hidden && !plan_.fused) {
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.slots_released.get(), stream()));
   }
   return absl::OkStatus();
@@ -582,7 +548,8 @@ int64_t RankWorker::Depth() const {
   // stay within about one 8192-row job of the device.
   constexpr int64_t kLogitsRowsAhead = 8192;
   if (plan_.pageable_logits) return 1;
-  if (!pipelined()) return 2;
+  // Pageable hidden states: tile t reuses the pinned tile of t - 2.
+  if (!pipelined() || plan_.model_pageable_hidden || plan_.ref_pageable_hidden) return 2;
   return std::clamp<int64_t>(kLogitsRowsAhead / plan_.tile_rows, 2, kTileEvents);
 }
 

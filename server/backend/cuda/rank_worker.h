@@ -125,12 +125,17 @@ class RankWorker final : public ShardedRank {
     // Hidden mode.
     const CudaHead* head = nullptr;
     int hidden_parts = 0;
-    uint8_t* raw = nullptr;  // [tile_rows][H] of the input dtype
+    uint8_t* raw = nullptr;  // [tile_rows][H] of the input dtype (fused: two, raw_bytes apart)
     // Pageable hidden states: two pinned host tiles [tile_rows][H] (tile t uses t % 2), filled by
     // the host thread while the GPU works on earlier tiles, then copied asynchronously.
     std::array<uint8_t*, 2> pinned{};
-    uint16_t* x_parts = nullptr;  // hidden_parts x [tile_rows][k_pad]
-    float* slots = nullptr;       // n_slots x [tile_rows][JobPlan::chunk_cols]
+    uint16_t* x_parts = nullptr;  // hidden_parts x [tile_rows][k_pad] (fused: two, x_elems apart)
+    size_t raw_bytes = 0;
+    size_t x_elems = 0;
+    // Fused: the hidden states already live on this rank's device; the split reads them in place
+    // and `raw` is not used.
+    bool direct = false;
+    float* slots = nullptr;  // n_slots x [tile_rows][JobPlan::chunk_cols]
     int64_t n_slots = 0;
     kc::LoadTransform transform;
   };
@@ -148,8 +153,12 @@ class RankWorker final : public ShardedRank {
   // gemm_stream beside them (it reads only those logits and the ids), off the tail's critical
   // path.
   bool single_logits_tile() const { return pipelined() && num_tiles_ == 1 && job_.top_k == 0; }
-  // The tile's input copies: logits staging on `logits_stream`, hidden rows on gemm_stream.
+  // The tile's input copies: logits staging on `logits_stream`, hidden rows on gemm_stream (fused
+  // hidden mode: on `logits_stream` too, into the tile's buffer pair of raw rows and parts).
   absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows, cudaStream_t logits_stream);
+  // Fused hidden mode: the tile's statistics, target logits (and, for top-k / JSD, its logits in
+  // slot `slot_`) with one LaunchHiddenStats on `on`.
+  absl::Status LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, cudaStream_t on);
   absl::Status ComputeHiddenTile(int64_t row0, int64_t rows);
   absl::Status ComputeLogitsTile(int64_t row0, int64_t rows);
   // Reporting rank: tile t's output slices from the device block to host_io on copy_stream, then
@@ -162,7 +171,7 @@ class RankWorker final : public ShardedRank {
   }
   // Tiles the host may queue ahead of the GPU (WaitTile).
   int64_t Depth() const;
-  bool pipelined() const { return !plan_.any_hidden; }
+  bool pipelined() const { return !plan_.any_hidden || plan_.fused; }
   uint8_t* Gathered() const { return num_ranks_ > 1 ? recv_ : send_[slot_]; }
   // The source for chunk c; hidden mode reads logits slot `slot` and runs its GEMMs into it first
   // (on gemm_stream) when `compute`.
