@@ -5,6 +5,7 @@
 // columns, and reduce over shuffles within the quad.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
 #include "kernels/cuda/block_items.cuh"
@@ -66,7 +67,7 @@ __device__ __forceinline__ uint32_t LiveMask(const float (&z)[64], int h, float 
 // true difference). These are PairItem's statistics: its clamp at -200 changes no bit of s and w
 // of a live token (the exp of any shift below -104 is 0 in fp32). One loop body serves both
 // passes: two copies of it left the pair form short of registers.
-constexpr float kSecondPassFloor = -3.40282347e38f;
+constexpr float kSecondPassFloor = -FLT_MAX;
 
 // The sums of one distribution's row half h around sh: s = sum exp(d), w = sum exp(d) d. The
 // single form and the model side of the pair form run these operations in this order.

@@ -165,9 +165,6 @@ __device__ __forceinline__ uint32_t SmemDescLo(uint32_t smem_addr) {
 __device__ __forceinline__ uint64_t SmemDesc(uint32_t lo) {
   return (static_cast<uint64_t>(kDesc128Hi) << 32) | lo;
 }
-__device__ __forceinline__ uint64_t SmemDesc128(const void* tile) {
-  return SmemDesc(SmemDescLo(SmemAddr(tile)));
-}
 
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");

@@ -259,13 +259,14 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   // Fused: the tile's buffers (t % 2), on the tile's statistics stream (its earlier user, tile
   // t - 2, ran on the same stream). Otherwise one buffer, on gemm_stream, behind the previous
   // tile's GEMMs (the only readers of raw and x_parts).
-  const size_t b = plan_.fused ? static_cast<size_t>((row0 / plan_.tile_rows) % 2) : 0;
+  const size_t parity = static_cast<size_t>((row0 / plan_.tile_rows) % 2);
+  const size_t b = plan_.fused ? parity : 0;
   const cudaStream_t on = plan_.fused ? logits_stream : gemm_stream();
   uint16_t* x_parts = d.x_parts + b * d.x_elems;
   if (!d.direct) {
     if (d.pinned[0] != nullptr) {
       // Run() has waited for tile t - 2, the last reader of this pinned tile.
-      uint8_t* pinned = d.pinned[static_cast<size_t>((row0 / plan_.tile_rows) % 2)];
+      uint8_t* pinned = d.pinned[parity];
       std::memcpy(pinned, src, bytes);
       src = pinned;
     }
@@ -300,37 +301,32 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
     }
     return src;
   }
-  if (plan_.fused) {
-    // The logits the fused launch of this tile wrote (slot_index: the tile's slot, t % 2).
-    if (d.n_slots == 0) return absl::InternalError("the fused job keeps no logits");
-    src.type = k::FloatType::kFloat32;
-    src.data = d.slots + slot_index * plan_.tile_rows * plan_.chunk_cols;
-    src.ld = plan_.chunk_cols;
-    const CudaHead::Shard& hs = d.head->shards[static_cast<size_t>(rank_.index)];
-    if (hs.bias.data() != nullptr) src.transform.bias = hs.bias.as<float>() + cc0;
-    return src;
-  }
-  // Hidden mode: slot columns [cc0, cc0 + chunk_cols) of the head shard, as whole GEMM chunks
-  // (kCudaVocabChunk weight rows each, zero-padded) side by side; the slot's chunks past the
-  // shard's padded rows are neither computed nor read.
-  float* slot = d.slots + slot_index * plan_.tile_rows * plan_.chunk_cols;
+  // Hidden mode: the slot holds columns [cc0, cc0 + chunk_cols) of the head shard: the cuBLASLt
+  // path's GEMM chunks (kCudaVocabChunk weight rows each, zero-padded) side by side, computed here
+  // first when `compute` (the slot's chunks past the shard's padded rows are neither computed nor
+  // read); or the logits the fused launch of this tile wrote (slot_index: the tile's slot, t % 2).
+  float* slot = Slot(d, slot_index);
   const CudaHead& head = *d.head;
   const CudaHead::Shard& hs = head.shards[static_cast<size_t>(rank_.index)];
-  if (hs.gemm->shape().ld != plan_.chunk_cols || !hs.gemm->Runs(plan_.tile_rows)) {
-    return absl::InternalError("the head's tile GEMM does not match the job's slot width");
-  }
-  if (compute) {
-    const size_t x_stride = static_cast<size_t>(plan_.tile_rows * head.k_pad);
-    for (int64_t q = cc0; q < std::min(cc0 + plan_.chunk_cols, hs.padded_rows);
-         q += kCudaVocabChunk) {
-      for (int j = 0; j < d.hidden_parts; ++j) {
-        for (int i = 0; i < head.parts; ++i) {
-          const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
-          if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
-                                    /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
-                                    gemm_stream(), plan_.tile_rows);
-              !s.ok()) {
-            return s;
+  if (plan_.fused) {
+    if (d.n_slots == 0) return absl::InternalError("the fused job keeps no logits");
+  } else {
+    if (hs.gemm->shape().ld != plan_.chunk_cols || !hs.gemm->Runs(plan_.tile_rows)) {
+      return absl::InternalError("the head's tile GEMM does not match the job's slot width");
+    }
+    if (compute) {
+      const size_t x_stride = static_cast<size_t>(plan_.tile_rows * head.k_pad);
+      for (int64_t q = cc0; q < std::min(cc0 + plan_.chunk_cols, hs.padded_rows);
+           q += kCudaVocabChunk) {
+        for (int j = 0; j < d.hidden_parts; ++j) {
+          for (int i = 0; i < head.parts; ++i) {
+            const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
+            if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
+                                      /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
+                                      gemm_stream(), plan_.tile_rows);
+                !s.ok()) {
+              return s;
+            }
           }
         }
       }
@@ -339,7 +335,7 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
   src.type = k::FloatType::kFloat32;
   src.data = slot;
   src.ld = plan_.chunk_cols;
-  if (hs.bias.data() != nullptr) src.transform.bias = hs.bias.as<float>() + cc0;
+  if (const float* bias = ShardBias(d); bias != nullptr) src.transform.bias = bias + cc0;
   return src;
 }
 

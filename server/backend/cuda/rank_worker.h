@@ -173,6 +173,15 @@ class RankWorker final : public ShardedRank {
   int64_t Depth() const;
   bool pipelined() const { return !plan_.any_hidden || plan_.fused; }
   uint8_t* Gathered() const { return num_ranks_ > 1 ? recv_ : send_[slot_]; }
+  // Hidden mode: logits slot i of d ([tile_rows][chunk_cols]), and the bias of d's head shard on
+  // this rank (null when the head has none).
+  float* Slot(const Dist& d, int64_t i) const {
+    return d.slots + i * plan_.tile_rows * plan_.chunk_cols;
+  }
+  const float* ShardBias(const Dist& d) const {
+    const CudaHead::Shard& hs = d.head->shards[static_cast<size_t>(rank_.index)];
+    return hs.bias.data() != nullptr ? hs.bias.as<float>() : nullptr;
+  }
   // The source for chunk c; hidden mode reads logits slot `slot` and runs its GEMMs into it first
   // (on gemm_stream) when `compute`.
   absl::StatusOr<kc::LogitsSource> Source(Dist& d, int64_t c, int64_t row0, bool compute,

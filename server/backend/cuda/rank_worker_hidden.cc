@@ -15,7 +15,7 @@ namespace kc = kernels::cuda;
 
 absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, cudaStream_t on) {
   const kc::TileMessage& m = plan_.msg;
-  const size_t b = static_cast<size_t>((row0 / plan_.tile_rows) % 2);
+  const size_t b = static_cast<size_t>(slot_);  // the tile's buffers and logits slot, t % 2
   auto operand = [&](const Dist& d) {
     const CudaHead& head = *d.head;
     const CudaHead::Shard& hs = head.shards[static_cast<size_t>(rank_.index)];
@@ -28,7 +28,7 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
     o.w_rows = hs.padded_rows;
     o.k_pad = head.k_pad;
     o.transform = d.transform;
-    if (hs.bias.data() != nullptr) o.transform.bias = hs.bias.as<float>();
+    o.transform.bias = ShardBias(d);
     return o;
   };
   const kc::HiddenOperand a = operand(model_);
@@ -48,9 +48,8 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
     args.targets = reinterpret_cast<float*>(msg + m.target_offset);
   }
   if (plan_.fused_logits) {
-    const size_t slot = static_cast<size_t>(plan_.tile_rows * plan_.chunk_cols) * b;
-    args.logits_a = model_.slots + slot;
-    if (plan_.pair) args.logits_b = ref_.slots + slot;
+    args.logits_a = Slot(model_, slot_);
+    if (plan_.pair) args.logits_b = Slot(ref_, slot_);
     args.logits_ld = plan_.chunk_cols;
   }
   args.cluster = plan_.fused_cluster;
