@@ -602,6 +602,7 @@ int main(int argc, char** argv) {
     // default).
     struct Fused {
       bool on = false;
+      bool tiles = false;  // never fused (hidden_fused_max_hidden = 0)
       std::string cluster = "2x2";
       int64_t tile_rows = 0;
     };
@@ -615,6 +616,7 @@ int main(int argc, char** argv) {
       if (stats_chunks > 0) options.hidden_stats_chunks = stats_chunks;
       options.hidden_row_tile = row_tile;
       options.hidden_fused = fused.on;
+      if (fused.tiles) options.hidden_fused_max_hidden = 0;
       options.hidden_fused_cluster = fused.cluster;
       options.hidden_fused_tile_rows = fused.tile_rows;
       const double free_before = FreeDeviceBytes(0);
@@ -766,7 +768,14 @@ int main(int argc, char** argv) {
       cudaFree(ws);
       cublasLtDestroy(lt);
     }
+    // The default path: the fused kernel for heads of H <= hidden_fused_max_hidden, else the
+    // tiles; then each path forced.
     const double one = run_backend({0}, "1 GPU", false);
+    if (hidden <= logitserve::CudaBackendOptions{}.hidden_fused_max_hidden) {
+      Fused tiles;
+      tiles.tiles = true;
+      run_backend({0}, "1 GPU, cuBLASLt tiles", false, true, 0, 0, tiles);
+    }
     for (const std::string& config : fused_configs) {
       // CLUSTER:ROWS
       const std::vector<std::string> f = absl::StrSplit(config, ':');
@@ -794,10 +803,15 @@ int main(int argc, char** argv) {
       const bool serial = f.size() == 3;
       const std::string label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
                                 (serial ? ", GEMMs on the statistics stream" : "");
-      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile);
+      Fused tiles;  // these tune the tiles
+      tiles.tiles = true;
+      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles);
     }
     if (!hidden_configs.empty()) {
-      run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false);
+      Fused tiles;
+      tiles.tiles = true;
+      run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false, 0, 0,
+                  tiles);
     }
     run_backend({0}, "1 GPU, host hidden states", true);
     if (devices >= 2) {

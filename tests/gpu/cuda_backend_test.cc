@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "logitserve/kernels/cuda_kernels.h"
 #include "server/backend/backend.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_tile_gemm.h"
@@ -346,6 +347,7 @@ TEST(CudaHiddenPaths, FusedAndTiledAgree) {
     CudaBackendOptions o;
     o.devices = {0};
     o.hidden_fused = fused;
+    o.hidden_fused_max_hidden = 0;
     absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
     ASSERT_TRUE(b.ok()) << b.status();
     absl::StatusOr<std::shared_ptr<const PreparedHead>> m = (*b)->PrepareHead(model_w);
@@ -369,6 +371,63 @@ TEST(CudaHiddenPaths, FusedAndTiledAgree) {
   shape.WithEverything(ids, 2, 4, 0.3f);
   shape.job.rows = kN;
   CompareWithCpu(shape.job, results[0], results[1], kGpuCpuHiddenRelTol);
+}
+
+// With the default options a job takes the fused kernel when every head of it has a hidden size
+// of at most hidden_fused_max_hidden (1024), else the tiles: the bits of the backend forced onto
+// that path, for a small head, a head just past the limit, and a pair of the two (the widest
+// decides, for both sides). Where the fused kernel cannot run, every job takes the tiles.
+TEST(CudaHiddenPaths, DefaultPathByHiddenSize) {
+  constexpr int64_t kVocab = 3000, kSmall = 64, kLarge = 1032, kN = 130;
+  std::mt19937_64 rng(71);
+  const auto small_w =
+      RandomHead(rng, kVocab, kSmall, FloatType::kBFloat16, 3.0 / 8.0, false, HeadTransform{});
+  const auto large_w = RandomHead(rng, kVocab, kLarge, FloatType::kBFloat16,
+                                  3.0 / std::sqrt(1032.0), false, HeadTransform{});
+  const SharedMatrix hs =
+      Share(Encode(FloatType::kBFloat16, kN, kSmall, RandomNormal(rng, kN * kSmall, 1.0)));
+  const SharedMatrix hl =
+      Share(Encode(FloatType::kBFloat16, kN, kLarge, RandomNormal(rng, kN * kLarge, 1.0)));
+  const std::vector<int32_t> ids = RandomTargets(rng, kN, 1, kVocab, -100, 0.1);
+  CudaBackendOptions by_default, fused, tiles;
+  by_default.devices = fused.devices = tiles.devices = {0};
+  fused.hidden_fused = true;
+  tiles.hidden_fused_max_hidden = 0;
+  std::vector<std::unique_ptr<Backend>> backends;
+  for (const CudaBackendOptions& o : {by_default, fused, tiles}) {
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(o);
+    ASSERT_TRUE(b.ok()) << b.status();
+    backends.push_back(*std::move(b));
+  }
+  const bool fused_runs = kernels::cuda::HiddenStatsSupported();
+  struct Case {
+    const char* name;
+    bool small_model, with_ref, small_ref, want_fused;
+  };
+  for (const Case& c : {Case{"small head", true, false, false, true},
+                        Case{"head past the limit", false, false, false, false},
+                        Case{"small model, large reference", true, true, false, false}}) {
+    SCOPED_TRACE(c.name);
+    std::vector<ScoreResult> got;
+    for (auto& b : backends) {
+      absl::StatusOr<std::shared_ptr<const PreparedHead>> m =
+          b->PrepareHead(c.small_model ? small_w : large_w);
+      absl::StatusOr<std::shared_ptr<const PreparedHead>> r =
+          b->PrepareHead(c.small_ref ? small_w : large_w);
+      ASSERT_TRUE(m.ok() && r.ok());
+      OwnedJob j;
+      j.SetModelHidden(*m, c.small_model ? hs : hl).WithTargets(ids, 1).WithEntropy();
+      if (c.with_ref) j.SetReferenceHidden(*r, c.small_ref ? hs : hl).WithForwardKl();
+      LOGITSERVE_ASSERT_SCORE(result, *b, j.job);
+      got.push_back(result);
+    }
+    ExpectBitwiseEqual(got[0], got[c.want_fused && fused_runs ? 1 : 2]);
+    if (fused_runs) {  // the two paths round differently: the comparison above can tell them apart
+      EXPECT_NE(std::memcmp(got[1].entropy.data(), got[2].entropy.data(),
+                            got[1].entropy.size() * sizeof(float)),
+                0);
+    }
+  }
 }
 
 // ---- (b) determinism -----------------------------------------------------------------------

@@ -122,7 +122,7 @@ class CudaBackend final : public Backend {
 
   const CudaBackendOptions options_;
   const TestFault fault_;
-  // Every rank's device runs the fused hidden-mode kernel and options_.hidden_fused is on.
+  // Every rank's device runs the fused hidden-mode kernel (JobPlan::fused: options_ say when).
   const bool fused_;
   const kc::HiddenCluster fused_cluster_;
   std::vector<std::unique_ptr<Rank>> ranks_;
@@ -292,7 +292,12 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.model_pageable_hidden = job.model.hidden_mode() && IsPageable(job.model.hidden.data);
   p.ref_pageable_hidden =
       p.pair && job.reference.hidden_mode() && IsPageable(job.reference.hidden.data);
-  p.fused = fused_ && job.model.hidden_mode() && (!p.pair || job.reference.hidden_mode());
+  int64_t widest_hidden = job.model.hidden_mode() ? job.model.hidden.cols : 0;
+  if (p.pair && job.reference.hidden_mode()) {
+    widest_hidden = std::max(widest_hidden, job.reference.hidden.cols);
+  }
+  p.fused = fused_ && job.model.hidden_mode() && (!p.pair || job.reference.hidden_mode()) &&
+            (options_.hidden_fused || widest_hidden <= options_.hidden_fused_max_hidden);
   if (p.fused) {
     p.fused_logits = job.top_k > 0 || p.jsd_pass;
     p.fused_cluster = fused_cluster_;
@@ -595,7 +600,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   std::vector<std::unique_ptr<Rank>> ranks;
   std::vector<int> rank_devices;
   std::vector<cudaStream_t> streams;
-  bool fused = options.hidden_fused;
+  bool fused = options.hidden_fused || options.hidden_fused_max_hidden > 0;
   for (int r = 0; r < shards; ++r) {
     auto rank = std::make_unique<Rank>();
     rank->index = r;

@@ -110,13 +110,19 @@ struct CudaBackendOptions {
   // kernel (kernels/cuda/hidden_stats_kernel.cu) computes each row tile's logits on the tensor
   // cores and reduces them to the block statistics in registers, so no logits tile reaches device
   // memory (with top-k or JSD it also writes them for the second read), instead of the cuBLASLt
-  // tiles above and the statistics kernel. Used for every job whose distributions are all in
-  // hidden mode, on every GPU of the backend or on none; the two paths agree to rounding, not bit
-  // for bit, and each is batch-, layout- and dtype-invariant on its own. Off by default: correct
-  // (every GPU suite passes on it) but slower today, H200, N 8192, H 4096, V 151936 pair: 45.4 ms
-  // (2x2 clusters) against 35.1 ms for the tiles, bound by L2 bandwidth (ncu: L2 98 %, tensor
-  // pipe 44 %); docs/PERFORMANCE.md has the measurements and what the kernel needs next.
+  // tiles above and the statistics kernel. hidden_fused: for every job whose distributions are
+  // all in hidden mode, on every GPU of the backend or on none; the two paths agree to rounding,
+  // not bit for bit, and each is batch-, layout- and dtype-invariant on its own. Off by default
+  // for large heads: correct (every GPU suite passes on it) but slower there, H200, N 8192,
+  // V 151936 pair: H 4096 43.5 ms (2x2 clusters) against 32.1 ms for the tiles, bound by L2
+  // bandwidth (ncu: L2 98 %, tensor pipe 44 %); docs/PERFORMANCE.md has the measurements.
   bool hidden_fused = false;
+  // ... and without hidden_fused, for every all-hidden job whose heads' hidden sizes are all at
+  // most this (0: never): short GEMMs, where the tiles' cost is per tile rather than per FLOP.
+  // H200, N 8192, V 151936 pair: H 1024 fused 11.27 ms against 13.23 for the tiles, H 2048 20.2
+  // against 19.3, H 4096 43.5 against 32.1. Chosen per job from the heads alone (never from the
+  // rows), so a head's rows always take one path: batch invariance holds.
+  int64_t hidden_fused_max_hidden = 1024;
   // Fused path: rows per pipelined row tile (a multiple of 128; 0 = kFusedTileRows, fewer when
   // top-k or JSD keep the logits), and CTAs per cluster sharing operand tiles by multicast,
   // "RxB" for R row tiles x B vocabulary blocks: 1x1, 2x1, 1x2 or 2x2. Neither changes a result.
