@@ -190,13 +190,16 @@ __device__ __forceinline__ PairBlockStats PairRecord(const float (&za)[64], cons
   return out;
 }
 
-// The head transform of every accumulator (TransformOne, inline: a call would make the compiler
-// save registers around it and serialise the wgmma pipeline).
+// The head transform of every accumulator of a column below `cols` (TransformOne, inline: a call
+// would make the compiler save registers around it and serialise the wgmma pipeline). Columns
+// past `cols` are left alone (MaskTail masks them): their bias would lie past the bias array
+// (compute-sanitizer memcheck found those reads, up to 127 floats past its end).
 __device__ __forceinline__ void TransformAll(const LoadTransform& t, int64_t c_base, int quad_col,
-                                             float (&z)[64]) {
+                                             int64_t cols, float (&z)[64]) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
-    z[i] = detail::TransformOne(t, c_base + 8 * (i / 4) + quad_col + (i & 1), z[i]);
+    const int64_t c = c_base + 8 * (i / 4) + quad_col + (i & 1);
+    if (c < cols) z[i] = detail::TransformOne(t, c, z[i]);
   }
 }
 

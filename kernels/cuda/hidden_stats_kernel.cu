@@ -390,8 +390,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         if constexpr (kGeneral) {
-          hidden::TransformAll(p.ta, c_base, quad_col, acc_a);
-          if constexpr (kPair) hidden::TransformAll(p.tb, c_base, quad_col, acc_b);
+          hidden::TransformAll(p.ta, c_base, quad_col, p.cols, acc_a);
+          if constexpr (kPair) hidden::TransformAll(p.tb, c_base, quad_col, p.cols, acc_b);
         }
         if (c_base + kTileCols > p.cols) {
           hidden::MaskTail(c_base, quad_col, p.cols, acc_a);
