@@ -606,6 +606,8 @@ int main(int argc, char** argv) {
       std::string cluster = "2x2";
       int64_t tile_rows = 0;
     };
+    Fused tiles_only;  // the cuBLASLt tiles at every hidden size
+    tiles_only.tiles = true;
     ScoreResult first_result;  // the default run's, to compare the other paths with
     auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
                            bool overlap = true, int stats_chunks = 0, int64_t row_tile = 0,
@@ -772,9 +774,7 @@ int main(int argc, char** argv) {
     // tiles; then each path forced.
     const double one = run_backend({0}, "1 GPU", false);
     if (hidden <= logitserve::CudaBackendOptions{}.hidden_fused_max_hidden) {
-      Fused tiles;
-      tiles.tiles = true;
-      run_backend({0}, "1 GPU, cuBLASLt tiles", false, true, 0, 0, tiles);
+      run_backend({0}, "1 GPU, cuBLASLt tiles", false, true, 0, 0, tiles_only);
     }
     for (const std::string& config : fused_configs) {
       // CLUSTER:ROWS
@@ -803,15 +803,11 @@ int main(int argc, char** argv) {
       const bool serial = f.size() == 3;
       const std::string label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
                                 (serial ? ", GEMMs on the statistics stream" : "");
-      Fused tiles;  // these tune the tiles
-      tiles.tiles = true;
-      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles);
+      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles_only);
     }
     if (!hidden_configs.empty()) {
-      Fused tiles;
-      tiles.tiles = true;
       run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false, 0, 0,
-                  tiles);
+                  tiles_only);
     }
     run_backend({0}, "1 GPU, host hidden states", true);
     if (devices >= 2) {

@@ -323,7 +323,7 @@ INSTANTIATE_TEST_SUITE_P(Sweep, CudaHidden, ::testing::ValuesIn(HiddenCases()),
                                   info.param.transform_name;
                          });
 
-// The two hidden-mode paths of CudaBackend: the fused GEMM + statistics kernel (the default on
+// The two hidden-mode paths of CudaBackend, each forced: the fused GEMM + statistics kernel (on
 // compute capability 9.0; elsewhere this runs the cuBLASLt path twice) and cuBLASLt tiles read back
 // by the statistics kernel. Each against the fp64 reference, and against each other on every
 // output (they sum in different orders: GEMM roundings of both sides, as GPU vs CPU above).
