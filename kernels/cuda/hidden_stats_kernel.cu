@@ -93,9 +93,8 @@ constexpr int SmemBytes() {
 }
 
 struct Params {
-  int64_t rows = 0;  // valid rows
-  int64_t cols = 0;  // valid columns
-  int64_t col0 = 0;  // global vocabulary id of column 0 (target ids are global)
+  // The caller's arguments as given (logits_b cleared for the single form).
+  HiddenStatsArgs args;
   int32_t w_row0 = 0;
   int32_t blocks = 0;
   int32_t row_units = 0;  // cluster row units (kCM row tiles each)
@@ -106,15 +105,6 @@ struct Params {
   int32_t ksteps_a = 0, ksteps_b = 0;  // k-steps per (hidden part, weight part) segment
   int32_t wparts_a = 1, wparts_b = 1;
   LoadTransform ta, tb;
-  PairBlockStats* stats = nullptr;
-  int64_t stats_ld = 0;
-  int64_t stats_offset = 0;
-  const int32_t* ids = nullptr;
-  int32_t ids_per_row = 0;
-  float* targets = nullptr;
-  float* logits_a = nullptr;
-  float* logits_b = nullptr;
-  int64_t logits_ld = 0;
 };
 
 struct Item {
@@ -136,7 +126,7 @@ __device__ __forceinline__ Item DecodeItem(const Params& p, int32_t i, int ri, i
   Item it;
   it.row_tile = ru * kCM + ri;
   it.block = bu * kCN + ci;
-  const int64_t left = p.cols - static_cast<int64_t>(bu) * kCN * kVocabBlock;  // first block's
+  const int64_t left = p.args.cols - static_cast<int64_t>(bu) * kCN * kVocabBlock;  // first block's
   it.subtiles = static_cast<int32_t>(
       min(static_cast<int64_t>(kSubtiles), (left + kTileCols - 1) / kTileCols));
   return it;
@@ -377,34 +367,35 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int64_t row = row0 + 8 * h;
-          if (row < p.rows && c_base < p.cols) {
-            if (p.logits_a != nullptr) {
-              hidden::StoreLogits(p.logits_a, p.logits_ld, acc_a, row, h, c_base, quad_col, p.cols);
+          if (row < p.args.rows && c_base < p.args.cols) {
+            if (p.args.logits_a != nullptr) {
+              hidden::StoreLogits(p.args.logits_a, p.args.logits_ld, acc_a, row, h, c_base,
+                                  quad_col, p.args.cols);
             }
             if constexpr (kPair) {
-              if (p.logits_b != nullptr) {
-                hidden::StoreLogits(p.logits_b, p.logits_ld, acc_b, row, h, c_base, quad_col,
-                                    p.cols);
+              if (p.args.logits_b != nullptr) {
+                hidden::StoreLogits(p.args.logits_b, p.args.logits_ld, acc_b, row, h, c_base,
+                                    quad_col, p.args.cols);
               }
             }
           }
         }
         if constexpr (kGeneral) {
-          hidden::TransformAll(p.ta, c_base, quad_col, p.cols, acc_a);
-          if constexpr (kPair) hidden::TransformAll(p.tb, c_base, quad_col, p.cols, acc_b);
+          hidden::TransformAll(p.ta, c_base, quad_col, p.args.cols, acc_a);
+          if constexpr (kPair) hidden::TransformAll(p.tb, c_base, quad_col, p.args.cols, acc_b);
         }
-        if (c_base + kTileCols > p.cols) {
-          hidden::MaskTail(c_base, quad_col, p.cols, acc_a);
-          if constexpr (kPair) hidden::MaskTail(c_base, quad_col, p.cols, acc_b);
+        if (c_base + kTileCols > p.args.cols) {
+          hidden::MaskTail(c_base, quad_col, p.args.cols, acc_a);
+          if constexpr (kPair) hidden::MaskTail(c_base, quad_col, p.args.cols, acc_b);
         }
-        if (p.ids_per_row > 0) {
+        if (p.args.ids_per_row > 0) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int64_t row = row0 + 8 * h;
-            if (row < p.rows && c_base < p.cols) {
-              hidden::GatherTargets(
-                  hidden::Targets{p.ids, p.ids_per_row, p.targets, p.col0, p.cols}, acc_a, row, h,
-                  c_base, quad_col);
+            if (row < p.args.rows && c_base < p.args.cols) {
+              hidden::GatherTargets(hidden::Targets{p.args.ids, p.args.ids_per_row, p.args.targets,
+                                                    p.args.col0, p.args.cols},
+                                    acc_a, row, h, c_base, quad_col);
             }
           }
         }
@@ -426,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int64_t row = row0 + 8 * h;
-          if (row >= p.rows) continue;
+          if (row >= p.args.rows) continue;
           const PairRowStats& r = running[row_in_tile + 8 * h];
           PairBlockStats rec;
           rec.a = BlockStats{r.a.m, r.a.s, r.a.w, r.a.flags};
@@ -439,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             rec.c_ab = 0.0f;
             rec.c_ba = 0.0f;
           }
-          p.stats[row * p.stats_ld + p.stats_offset + it.block] = rec;
+          p.args.stats[row * p.args.stats_ld + p.args.stats_offset + it.block] = rec;
         }
       }
     }
@@ -490,6 +481,27 @@ bool Plain(const LoadTransform& t) {
   return t.bias == nullptr && t.scale == 1.0f && t.softcap <= 0.0f && t.temperature == 1.0f;
 }
 
+// A launch of `clusters` clusters of `size` CTAs: the occupancy probe (one cluster) and the launch
+// use the same configuration.
+struct ClusterLaunch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t cfg{};
+  ClusterLaunch(int size, int clusters, int smem, cudaStream_t stream) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(size);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(static_cast<unsigned>(clusters * size));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // cfg points at attr
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 template <bool kPair, bool kGeneral, int kCM, int kCN>
 cudaError_t Launch(const CUtensorMap (&maps)[4], Params p, cudaStream_t stream) {
   auto kernel = HiddenStatsKernel<kPair, kGeneral, kCM, kCN>;
@@ -510,36 +522,15 @@ cudaError_t Launch(const CUtensorMap (&maps)[4], Params p, cudaStream_t stream) 
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
       if (err != cudaSuccess) return err;
     }
-    cudaLaunchConfig_t probe{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kClusterSize;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    probe.gridDim = dim3(kClusterSize);
-    probe.blockDim = dim3(kThreads);
-    probe.dynamicSmemBytes = kSmem;
-    probe.attrs = &attr;
-    probe.numAttrs = 1;
-    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &probe);
+    ClusterLaunch probe(kClusterSize, 1, kSmem, nullptr);
+    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &probe.cfg);
     if (err != cudaSuccess) return err;
     if (fit <= 0) return cudaErrorInvalidConfiguration;
     max_clusters[device].store(fit, std::memory_order_relaxed);
   }
   const int clusters = std::min(fit, p.items);
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kClusterSize;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  err = cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], p);
+  ClusterLaunch launch(kClusterSize, clusters, kSmem, stream);
+  err = cudaLaunchKernelEx(&launch.cfg, kernel, maps[0], maps[1], maps[2], maps[3], p);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -589,9 +580,8 @@ cudaError_t LaunchHiddenStats(const HiddenOperand& a, const HiddenOperand* b,
   }
   const int cm = ClusterRows(args.cluster), cn = ClusterBlocks(args.cluster);
   Params p;
-  p.rows = args.rows;
-  p.cols = args.cols;
-  p.col0 = args.col0;
+  p.args = args;
+  if (b == nullptr) p.args.logits_b = nullptr;
   p.w_row0 = static_cast<int32_t>(args.w_row0);
   const int64_t blocks = (args.cols + kVocabBlock - 1) / kVocabBlock;
   const int64_t row_tiles = (args.rows + kTileRows - 1) / kTileRows;
@@ -615,16 +605,8 @@ cudaError_t LaunchHiddenStats(const HiddenOperand& a, const HiddenOperand* b,
     p.wparts_b = b->w_parts;
     p.tb = b->transform;
   }
-  p.stats = args.stats;
-  p.stats_ld = args.stats_ld;
-  p.stats_offset = args.stats_offset;
-  p.ids = args.ids;
-  p.ids_per_row = args.ids_per_row;
-  p.targets = args.targets;
-  p.logits_a = args.logits_a;
-  p.logits_b = b != nullptr ? args.logits_b : nullptr;
-  p.logits_ld = args.logits_ld;
-  if (p.stats == nullptr || (p.ids_per_row > 0 && (p.ids == nullptr || p.targets == nullptr))) {
+  if (args.stats == nullptr ||
+      (args.ids_per_row > 0 && (args.ids == nullptr || args.targets == nullptr))) {
     return cudaErrorInvalidValue;
   }
 
