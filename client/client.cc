@@ -65,6 +65,9 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(std::string target, ClientOptions options) {
   if (target.empty()) return absl::InvalidArgumentError("client target is empty");
+  if (options.shm_channels < 0) {
+    return absl::InvalidArgumentError("ClientOptions.shm_channels must be >= 0");
+  }
   if (options.session_streams < 0) {
     return absl::InvalidArgumentError("ClientOptions.session_streams must be >= 0");
   }
@@ -277,6 +280,61 @@ absl::Status Client::UnregisterSharedMemory(const std::string& name) {
 Client::~Client() {
   absl::MutexLock lock(&mu_);
   idle_streams_.clear();  // cancels and drains them while the channel is still up
+  idle_channels_.clear();
+}
+
+std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnShmChannel(
+    const v1::ScoreRequest& request) {
+  std::unique_ptr<ShmChannel> channel;
+  {
+    absl::MutexLock lock(&mu_);
+    if (channels_off_) return std::nullopt;
+    if (!idle_channels_.empty()) {
+      channel = std::move(idle_channels_.back());
+      idle_channels_.pop_back();
+    }
+  }
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  if (channel == nullptr) {
+    absl::StatusOr<std::unique_ptr<ShmChannel>> opened =
+        ShmChannel::Open(*scorer_, options_.bearer_token, options_.shm_channel, deadline);
+    if (!opened.ok()) {
+      switch (opened.status().code()) {
+        case absl::StatusCode::kUnavailable:        // retried over gRPC
+        case absl::StatusCode::kResourceExhausted:  // the server's channel limit, for now
+        case absl::StatusCode::kDeadlineExceeded:
+        case absl::StatusCode::kUnauthenticated:  // the gRPC call will say so
+          return std::nullopt;
+        default: {
+          absl::MutexLock lock(&mu_);
+          channels_off_ = true;
+          return std::nullopt;
+        }
+      }
+    }
+    channel = *std::move(opened);
+  }
+  if (!channel->Fits(request)) {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int>(idle_channels_.size()) < options_.shm_channels) {
+      idle_channels_.push_back(std::move(channel));
+    }
+    return std::nullopt;
+  }
+  bool broken = false;
+  absl::StatusOr<v1::ScoreResponse> answer = channel->Call(request, deadline, &broken);
+  if (broken) {
+    channel.reset();  // cancels its call
+    if (answer.status().code() == absl::StatusCode::kDeadlineExceeded) return answer;
+    return std::nullopt;
+  }
+  // A server that is draining answers UNAVAILABLE: the gRPC path retries with backoff.
+  if (answer.status().code() == absl::StatusCode::kUnavailable) return std::nullopt;
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int>(idle_channels_.size()) < options_.shm_channels) {
+    idle_channels_.push_back(std::move(channel));
+  }
+  return answer;
 }
 
 std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnSessionStream(
@@ -317,6 +375,10 @@ absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& requ
   if (CarriesTensorBytes(request)) {
     body = RequestBytes(request, RequestWithoutRows(request));
   } else {
+    if (options_.shm_channels > 0) {
+      std::optional<absl::StatusOr<v1::ScoreResponse>> answer = ScoreOnShmChannel(request);
+      if (answer.has_value()) return *std::move(answer);
+    }
     if (options_.session_streams > 0) {
       std::optional<absl::StatusOr<v1::ScoreResponse>> answer = ScoreOnSessionStream(request);
       if (answer.has_value()) return *std::move(answer);

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/shm_channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -83,6 +84,19 @@ struct ClientOptions {
   // reported as DEADLINE_EXCEEDED (the server may still run it); a stream that fails is dropped
   // and the call goes unary (with the retries below).
   int session_streams = 8;
+
+  // Such a request (no tensor bytes, no split) goes through a shared-memory call channel
+  // (client/shm_channel.h) when it fits one: the server on this host reads it from and answers
+  // into a region both map, with no gRPC round trip per call. One channel per concurrent caller,
+  // at most shm_channels kept open between calls; 0 = off. When the server cannot serve one (an
+  // older server: UNIMPLEMENTED; not on this host: NOT_FOUND; no shared memory, permissions)
+  // channels are off for this Client from then on and such calls take the session streams; a
+  // channel that breaks is dropped and the call goes over gRPC.
+  int shm_channels = 8;
+  // Each channel's request and response areas (bytes; a request or a possible answer larger than
+  // its area goes over gRPC), how long a call spins for its answer before it sleeps on the
+  // futex, and the control region's file mode.
+  ShmChannelOptions shm_channel;
 
   // Sent as "authorization: Bearer <token>" on every RPC when non-empty.
   std::string bearer_token;
@@ -236,6 +250,10 @@ class Client {
   // call should go unary.
   std::optional<absl::StatusOr<v1::ScoreResponse>> ScoreOnSessionStream(
       const v1::ScoreRequest& request);
+  // ScoreOnce over an idle shared-memory channel (or a new one); nullopt when no channel could
+  // take the call and it should go over gRPC.
+  std::optional<absl::StatusOr<v1::ScoreResponse>> ScoreOnShmChannel(
+      const v1::ScoreRequest& request);
   // The chunks of `plan` over one ScoreStream (client/pipeline.h), reassembled in order.
   absl::StatusOr<ScoreOutput> ScorePipelined(const v1::ScoreRequest& request,
                                              const std::vector<RowChunk>& plan);
@@ -253,6 +271,9 @@ class Client {
   std::optional<Limits> limits_ ABSL_GUARDED_BY(mu_);  // fetched once, on the first Score
   // Idle session streams (on pipeline_stubs_[0], declared before: destroyed after them).
   std::vector<std::unique_ptr<SessionStream>> idle_streams_ ABSL_GUARDED_BY(mu_);
+  // Idle shared-memory channels; channels_off_ once the server could not serve one.
+  std::vector<std::unique_ptr<ShmChannel>> idle_channels_ ABSL_GUARDED_BY(mu_);
+  bool channels_off_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace logitserve::client

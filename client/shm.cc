@@ -52,7 +52,11 @@ SharedMemoryBuffer::SharedMemoryBuffer(std::string key, void* data, uint64_t siz
 
 SharedMemoryBuffer::~SharedMemoryBuffer() {
   munmap(data_, size_);
-  shm_unlink(key_.c_str());
+  Unlink();
+}
+
+void SharedMemoryBuffer::Unlink() {
+  if (linked_.exchange(false)) shm_unlink(key_.c_str());
 }
 
 v1::Tensor SharedMemoryTensor(const std::string& region, uint64_t offset, v1::DataType dtype,

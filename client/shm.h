@@ -14,6 +14,7 @@
 // while a request reading them is in flight gives that request unspecified inputs.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -37,6 +38,10 @@ class SharedMemoryBuffer {
   SharedMemoryBuffer(const SharedMemoryBuffer&) = delete;
   SharedMemoryBuffer& operator=(const SharedMemoryBuffer&) = delete;
 
+  // Removes the object's name now (shm_unlink); the mapping, and any other process's, stays.
+  // The destructor then only unmaps.
+  void Unlink();
+
   const std::string& key() const { return key_; }
   uint64_t size() const { return size_; }
   void* data() { return data_; }
@@ -47,6 +52,7 @@ class SharedMemoryBuffer {
   const std::string key_;
   void* const data_;
   const uint64_t size_;
+  std::atomic<bool> linked_{true};
 };
 
 // A Tensor of `dtype` and `shape` whose bytes are [offset, offset + bytes) of the region the

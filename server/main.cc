@@ -65,6 +65,8 @@ struct Flags {
   double drain_seconds = 10.0;
   std::string log_level = "info";
   int max_shared_memory_regions = 64;
+  int max_shared_memory_channels = 64;
+  int shared_memory_channel_spin_us = 200;
 };
 
 void AddFlags(CLI::App& app, Flags& f) {
@@ -162,6 +164,17 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "POSIX shared-memory regions clients may register for in-place inputs at once "
                  "(0 = shared-memory inputs off)")
       ->check(CLI::Range(0, 1 << 16))
+      ->capture_default_str();
+  app.add_option(
+         "--max-shared-memory-channels", f.max_shared_memory_channels,
+         "Shared-memory call channels (Score without a gRPC round trip, for clients on this "
+         "host) open at once; each has a thread (0 = none)")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
+  app.add_option("--shared-memory-channel-spin-us", f.shared_memory_channel_spin_us,
+                 "How long a channel's thread spins for the client's next request after answering "
+                 "one, microseconds, before it sleeps (0 = sleep at once)")
+      ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
   app.add_option("--drain-timeout,--drain-seconds", f.drain_seconds,
                  "On SIGTERM/SIGINT, how long in-flight requests may take to finish")
@@ -269,6 +282,8 @@ ServerOptions ToServerOptions(const Flags& flags, const ServingFlags& serving) {
   o.limits.max_target_ids_per_row = flags.max_target_ids_per_row;
   o.stream_window_bytes = flags.stream_window_bytes;
   o.max_shared_memory_regions = flags.max_shared_memory_regions;
+  o.max_shared_memory_channels = flags.max_shared_memory_channels;
+  o.shared_memory_channel_spin = std::chrono::microseconds(flags.shared_memory_channel_spin_us);
   o.security.tls_cert = serving.tls_cert;
   o.security.tls_key = serving.tls_key;
   o.security.tls_client_ca = serving.tls_client_ca;

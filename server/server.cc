@@ -232,6 +232,8 @@ absl::Status Server::Start() {
   service_options.metrics = metrics_.get();
   shared_memory_ = std::make_unique<SharedMemoryRegistry>(o.max_shared_memory_regions);
   service_options.shared_memory = shared_memory_.get();
+  service_options.max_shared_memory_channels = o.max_shared_memory_channels;
+  service_options.shared_memory_channel_spin = o.shared_memory_channel_spin;
   AddGaugeSources(backend_.get(), &heads_, *metrics_);
   metrics_->AddGaugeSource(
       "logitserve_scheduler_workers",

@@ -18,6 +18,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -82,6 +83,9 @@ struct ServerOptions {
   RequestLimits limits;
   int64_t stream_window_bytes = int64_t{64} << 20;
   int max_shared_memory_regions = 64;
+  // ServiceOptions::max_shared_memory_channels, shared_memory_channel_spin.
+  int max_shared_memory_channels = 64;
+  std::chrono::microseconds shared_memory_channel_spin{200};
   SecurityOptions security;
   MetricsOptions metrics;
 };

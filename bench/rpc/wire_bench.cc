@@ -16,7 +16,9 @@
 //               <= 1.15 meets target 2;
 //   unpiped     wall time of one unsplit Score (pipelining off), for comparison;
 //   shm         wall time of one Score reading the same bytes from POSIX shared memory (the
-//               server must run on this host; --no-shm skips it); shm / compute <= 1.1 meets
+//               server must run on this host; --no-shm skips it), through the client's
+//               shared-memory call channels by default (--shm-channels 0: over gRPC, a session
+//               stream or, with --session-streams 0, unary calls); shm / compute <= 1.1 meets
 //               target 3. shm_cmp: the server's compute_us of those calls; shm_fixed: the
 //               rest of each call's wall time (wall - queue_us - compute_us, median), i.e. what
 //               the call costs beyond the server's compute. rtt_ms: a grpc.health.v1 Check to
@@ -168,6 +170,15 @@ int main(int argc, char** argv) {
                  "ClientOptions::session_streams: shared-memory calls over long-lived ScoreStreams "
                  "(0 = unary calls)")
       ->capture_default_str();
+  app.add_option("--shm-channels", piped_options.shm_channels,
+                 "ClientOptions::shm_channels: shared-memory calls through shared-memory call "
+                 "channels, no gRPC round trip (0 = over gRPC, as --session-streams says)")
+      ->capture_default_str();
+  int64_t channel_spin_us = absl::ToInt64Microseconds(piped_options.shm_channel.spin);
+  app.add_option("--shm-channel-spin-us", channel_spin_us,
+                 "ClientOptions::shm_channel.spin: how long a channel call spins for its answer "
+                 "before it sleeps on the futex, microseconds")
+      ->capture_default_str();
   app.add_option("--token", token, "Bearer token");
   int server_pid = 0;
   app.add_option("--server-pid", server_pid,
@@ -185,6 +196,7 @@ int main(int argc, char** argv) {
   }
 
   piped_options.bearer_token = token;
+  piped_options.shm_channel.spin = absl::Microseconds(channel_spin_us);
   piped_options.rpc_timeout = absl::Seconds(600);
   lc::ClientOptions unpiped_options = piped_options;
   unpiped_options.pipeline_chunk_bytes = 0;

@@ -123,7 +123,7 @@ void ScorerService::RecordRequest(const char* method, const grpc::Status& status
   if (options_.metrics != nullptr) options_.metrics->RecordRequest(method, status.error_code());
 }
 
-int64_t ScorerService::Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
+int64_t ScorerService::Submit(const v1::ScoreRequest& request, std::function<absl::Status()> stop,
                               Completion done) {
   if (draining_.load()) {
     done(absl::UnavailableError("server is shutting down"), {}, {}, {}, {}, 0);
@@ -172,7 +172,7 @@ int64_t ScorerService::Submit(grpc::CallbackServerContext* context, const v1::Sc
   item.extra_bytes = extra_bytes;
   const int64_t bytes = Scheduler::ItemBytes(item);
   auto state = std::make_shared<ValidatedRequest>(*std::move(validated));
-  item.stop = [context] { return StopStatus(context); };
+  item.stop = std::move(stop);
   Metrics* metrics = options_.metrics;
   item.done = [state, done, metrics, leases, bytes, id = QuoteClientText(request.request_id())](
                   absl::Status status, ScoreResult result, const ScoreJob& job,
@@ -243,14 +243,36 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
     finish(ToGrpcStatus(auth));
     return reactor;
   }
-  Submit(context, *request,
-         [request, response, finish](absl::Status status, const ScoreResult& result,
-                                     const ScoreJob& job, const ValidatedRequest& validated,
-                                     const Scheduler::Timing& timing, int64_t /*admitted_bytes*/) {
-           if (status.ok()) FillResponse(*request, job, validated, result, timing, response);
-           finish(ToGrpcStatus(status));
-         });
+  Submit(
+      *request, [context] { return StopStatus(context); },
+      [request, response, finish](absl::Status status, const ScoreResult& result,
+                                  const ScoreJob& job, const ValidatedRequest& validated,
+                                  const Scheduler::Timing& timing, int64_t /*admitted_bytes*/) {
+        if (status.ok()) FillResponse(*request, job, validated, result, timing, response);
+        finish(ToGrpcStatus(status));
+      });
   return reactor;
+}
+
+// A request of a shared-memory channel (shared_memory_rpc.cc): Score's path without gRPC.
+void ScorerService::ServeChannelRequest(const v1::ScoreRequest& request,
+                                        std::function<absl::Status()> stop,
+                                        ShmChannel::Answer answer) {
+  auto calls = std::make_shared<CallStateCount>(options_.metrics);
+  Submit(request, std::move(stop),
+         [this, &request, answer = std::move(answer), calls](
+             absl::Status status, const ScoreResult& result, const ScoreJob& job,
+             const ValidatedRequest& validated, const Scheduler::Timing& timing,
+             int64_t /*admitted_bytes*/) {
+           RecordRequest("OpenSharedMemoryChannel", ToGrpcStatus(status));
+           if (!status.ok()) {
+             answer(status, nullptr);
+             return;
+           }
+           v1::ScoreResponse response;
+           FillResponse(request, job, validated, result, timing, &response);
+           answer(status, &response);
+         });
 }
 
 // One ScoreStream call. Reads requests one at a time, writes responses in completion order, one
@@ -333,7 +355,7 @@ class ScorerService::StreamReactor final
     // The stream message owns the request, so it lives until `done` has run.
     std::shared_ptr<const v1::ScoreStreamRequest> message = std::move(parsed);
     const int64_t admitted = service_->Submit(
-        context_, message->request(),
+        message->request(), [context = context_] { return StopStatus(context); },
         [this, message](absl::Status status, const ScoreResult& result, const ScoreJob& job,
                         const ValidatedRequest& validated, const Scheduler::Timing& timing,
                         int64_t admitted_bytes) {

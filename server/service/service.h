@@ -23,6 +23,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,6 +34,7 @@
 #include "server/heads/head_store.h"
 #include "server/scheduler/scheduler.h"
 #include "server/service/auth.h"
+#include "server/service/shm_channel.h"
 #include "server/service/validate.h"
 
 namespace logitserve {
@@ -55,6 +57,11 @@ struct ServiceOptions {
   // ScoreStream: bytes one stream may hold in requests in flight plus responses the client has
   // not received yet before it stops reading (StreamReactor).
   int64_t stream_window_bytes = int64_t{64} << 20;
+  // Shared-memory call channels (OpenSharedMemoryChannel, shm_channel.h): at most this many open
+  // at once (each has a serving thread; 0 = none), and how long a channel's thread spins for the
+  // client's next request after answering one before it sleeps on the futex.
+  int max_shared_memory_channels = 64;
+  std::chrono::microseconds shared_memory_channel_spin{200};
   // LoadHead: largest upload (weight + bias bytes) accepted.
   int64_t max_head_bytes = int64_t{16} << 30;
   // Called once (from a scheduler worker) when the backend reports a fatal device error; the
@@ -69,7 +76,8 @@ struct ServiceOptions {
 using ScorerCallbackBase = v1::Scorer::WithCallbackMethod_Score<
     v1::Scorer::WithRawCallbackMethod_ScoreStream<v1::Scorer::WithCallbackMethod_ListHeads<
         v1::Scorer::WithCallbackMethod_LoadHead<v1::Scorer::WithCallbackMethod_RegisterSharedMemory<
-            v1::Scorer::WithCallbackMethod_UnregisterSharedMemory<v1::Scorer::Service>>>>>>;
+            v1::Scorer::WithCallbackMethod_UnregisterSharedMemory<
+                v1::Scorer::WithCallbackMethod_OpenSharedMemoryChannel<v1::Scorer::Service>>>>>>>;
 
 class ScorerService final : public ScorerCallbackBase {
  public:
@@ -94,6 +102,10 @@ class ScorerService final : public ScorerCallbackBase {
   grpc::ServerUnaryReactor* UnregisterSharedMemory(
       grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
       v1::UnregisterSharedMemoryResponse* response) override;
+  // Defined in shared_memory_rpc.cc: serves the channel until the call ends.
+  grpc::ServerWriteReactor<v1::OpenSharedMemoryChannelResponse>* OpenSharedMemoryChannel(
+      grpc::CallbackServerContext* context,
+      const v1::OpenSharedMemoryChannelRequest* request) override;
 
   // From now on, new Score calls fail with UNAVAILABLE; queued and running ones complete.
   void StartDraining();
@@ -113,6 +125,7 @@ class ScorerService final : public ScorerCallbackBase {
 
  private:
   class StreamReactor;
+  class ChannelReactor;  // shared_memory_rpc.cc
   // What a finished request reports: the status and, when OK, the response fields.
   // `job` and `validated` are meaningful only when `status` is OK. `admitted_bytes`: what Submit
   // returned for it (0 when refused), still counted against the budget while this runs.
@@ -123,10 +136,14 @@ class ScorerService final : public ScorerCallbackBase {
   absl::Status Authorize(const grpc::CallbackServerContext& context, Role role) const;
   void RecordRequest(const char* method, const grpc::Status& status);
   // Validates `request` and submits it; `done` runs exactly once: inline when the request is
-  // refused, else on a scheduler worker. `request` must stay valid until `done` has run.
-  // Returns the bytes admitted against the memory budget (0 when refused).
-  int64_t Submit(grpc::CallbackServerContext* context, const v1::ScoreRequest& request,
+  // refused, else on a scheduler worker. `request` must stay valid until `done` has run. `stop`
+  // reports the call's cancellation or deadline (OK = go on), checked before launch and every
+  // row tile. Returns the bytes admitted against the memory budget (0 when refused).
+  int64_t Submit(const v1::ScoreRequest& request, std::function<absl::Status()> stop,
                  Completion done);
+  // Submit for a request of a shared-memory channel; `answer` gets the response or the error.
+  void ServeChannelRequest(const v1::ScoreRequest& request, std::function<absl::Status()> stop,
+                           ShmChannel::Answer answer);
   // Fills a successful response (`validated` gives the sequence lengths and head versions).
   static void FillResponse(const v1::ScoreRequest& request, const ScoreJob& job,
                            const ValidatedRequest& validated, const ScoreResult& result,
@@ -136,6 +153,7 @@ class ScorerService final : public ScorerCallbackBase {
   HeadStore* const heads_;  // LoadHead replaces heads
   const ServiceOptions options_;
   std::atomic<bool> draining_{false};
+  std::atomic<int> open_channels_{0};
   Scheduler scheduler_;
 };
 

@@ -28,13 +28,19 @@ bool ValidName(const std::string& name) {
   return true;
 }
 
-// shm_open's portable form: one leading '/', no other '/' (so no path into another folder).
-bool ValidKey(const std::string& key) {
+// Whether [offset, offset + size) lies within [0, limit), without overflow.
+bool RangeWithin(uint64_t offset, uint64_t size, uint64_t limit) {
+  return offset <= limit && size <= limit - offset;
+}
+
+}  // namespace
+
+bool ValidSharedMemoryKey(const std::string& key) {
   return key.size() >= 2 && key.size() <= kMaxKeyLength && key[0] == '/' &&
          key.find('/', 1) == std::string::npos && key.find('\0') == std::string::npos;
 }
 
-absl::Status ErrnoStatus(int err, const std::string& what) {
+absl::Status SharedMemoryErrnoStatus(int err, const std::string& what) {
   const std::string message = absl::StrCat(what, ": ", std::strerror(err));
   switch (err) {
     case ENOENT:
@@ -50,13 +56,6 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
       return absl::InternalError(message);
   }
 }
-
-// Whether [offset, offset + size) lies within [0, limit), without overflow.
-bool RangeWithin(uint64_t offset, uint64_t size, uint64_t limit) {
-  return offset <= limit && size <= limit - offset;
-}
-
-}  // namespace
 
 SharedMemoryRegion::SharedMemoryRegion(std::string name, std::string key, int fd, void* mapping,
                                        uint64_t mapping_size, uint64_t page_delta,
@@ -98,7 +97,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
     return absl::InvalidArgumentError(absl::StrCat(
         "name: '", name, "' must be 1 to ", kMaxNameLength, " characters of [A-Za-z0-9._-]"));
   }
-  if (!ValidKey(key)) {
+  if (!ValidSharedMemoryKey(key)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "key: '", key, "' must be '/' followed by 1 to 254 characters other than '/'"));
   }
@@ -118,12 +117,12 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
 
   const int fd = shm_open(key.c_str(), O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("key: shm_open('", key, "')"));
+  if (fd < 0) return SharedMemoryErrnoStatus(errno, absl::StrCat("key: shm_open('", key, "')"));
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int err = errno;
     close(fd);
-    return ErrnoStatus(err, absl::StrCat("key: fstat('", key, "')"));
+    return SharedMemoryErrnoStatus(err, absl::StrCat("key: fstat('", key, "')"));
   }
   const uint64_t object_size = static_cast<uint64_t>(st.st_size);
   if (!RangeWithin(offset, byte_size, object_size)) {
@@ -141,7 +140,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   if (mapping == MAP_FAILED) {
     const int err = errno;
     close(fd);
-    return ErrnoStatus(err, absl::StrCat("key: mmap('", key, "')"));
+    return SharedMemoryErrnoStatus(err, absl::StrCat("key: mmap('", key, "')"));
   }
   std::shared_ptr<SharedMemoryRegion> region(
       new SharedMemoryRegion(name, key, fd, mapping, map_size, page_delta, offset, byte_size));

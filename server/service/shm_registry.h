@@ -35,6 +35,13 @@
 
 namespace logitserve {
 
+// shm_open's portable form: one leading '/', 1 to 254 more characters, no other '/' (so no path
+// into another folder). Shared with the call channels (shm_channel.h).
+bool ValidSharedMemoryKey(const std::string& key);
+// `what`: strerror(err), as NOT_FOUND (ENOENT), PERMISSION_DENIED (EACCES, EPERM),
+// RESOURCE_EXHAUSTED (EMFILE, ENFILE, ENOMEM) or INTERNAL.
+absl::Status SharedMemoryErrnoStatus(int err, const std::string& what);
+
 // One mapped region. Destroyed (unmapped, then its release callbacks run) with its last owner.
 class SharedMemoryRegion {
  public:

@@ -2,9 +2,11 @@
 // shared-memory object, registers it with the real server (auth on) and sends requests naming
 // region + offset. Results must be bitwise those of the same values sent as bytes (and match the
 // fp64 reference); every bad range, dtype, size, name and token is refused before a byte is read;
-// unregistering waits for the request reading the region. Shared-memory calls go over the
-// client's long-lived session streams (client/session_stream.h): the same bits as unary calls,
-// each concurrent caller its own answer, the request's own errors, a deadline per call.
+// unregistering waits for the request reading the region. These calls take the client's default
+// path, the shared-memory call channels (shm_channel_e2e_test.cc tests them on their own). With
+// channels off, shared-memory calls go over the client's long-lived session streams
+// (client/session_stream.h): the same bits as unary calls, each concurrent caller its own answer,
+// the request's own errors, a deadline per call.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -27,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "logitserve/kernels/dtype.h"
 #include "tests/client/output_expect.h"
+#include "tests/client/shm_support.h"
 #include "tests/service/e2e_support.h"
 #include "tests/service/prometheus_text.h"
 #include "tests/support/server_process.h"
@@ -35,99 +38,9 @@ namespace logitserve::client {
 namespace {
 
 using ::logitserve::testing::ServerProcess;
+using namespace shm_test;  // NOLINT(build/namespaces): the suite's own helpers
 using testing::Bits;
 using ::testing::HasSubstr;
-
-constexpr char kToken[] = "shm-user-token-71";
-const e2e::SyntheticHead& kHead = e2e::kPolicy;  // V = 3000, H = 64
-
-std::string Unique(const std::string& what) {
-  return "ls-test-" + std::to_string(getpid()) + "-" + what;
-}
-
-std::string TokenFile() {
-  const std::string path = ::testing::TempDir() + "/" + Unique("token");
-  std::ofstream(path) << kToken << "\n";
-  return path;
-}
-
-ClientOptions WithToken(const char* token) {
-  ClientOptions o;
-  o.rpc_timeout = absl::Seconds(30);
-  o.max_attempts = 1;
-  if (token != nullptr) o.bearer_token = token;
-  return o;
-}
-
-// Random bf16 hidden states [rows, H] and in-range target ids [rows].
-struct Inputs {
-  std::vector<uint16_t> hidden;
-  std::vector<int32_t> ids;
-};
-Inputs MakeInputs(int64_t rows, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Inputs in;
-  in.hidden.resize(rows * kHead.hidden);
-  for (uint16_t& b : in.hidden) b = kernels::FloatToBFloat16(normal(rng));
-  in.ids.resize(rows);
-  for (int32_t& id : in.ids) id = static_cast<int32_t>(rng() % kHead.vocab);
-  in.ids[0] = -100;  // ignored
-  return in;
-}
-
-// The request for `rows` rows with every per-row tensor in bytes.
-v1::ScoreRequest BytesRequest(const Inputs& in, int64_t rows) {
-  v1::ScoreRequest req;
-  req.set_head(kHead.name);
-  *req.mutable_hidden() = BFloat16TensorFromBits(in.hidden, {rows, kHead.hidden});
-  *req.mutable_target_ids() = TensorOf(in.ids, {rows});
-  req.set_entropy(true);
-  req.set_top_k(5);
-  return req;
-}
-
-// The same request naming region `region`: hidden at offset 0, ids right after it.
-v1::ScoreRequest ShmRequest(const std::string& region, int64_t rows) {
-  v1::ScoreRequest req;
-  req.set_head(kHead.name);
-  *req.mutable_hidden() =
-      SharedMemoryTensor(region, 0, v1::DATA_TYPE_BFLOAT16, {rows, kHead.hidden});
-  *req.mutable_target_ids() =
-      SharedMemoryTensor(region, rows * kHead.hidden * 2, v1::DATA_TYPE_INT32, {rows});
-  req.set_entropy(true);
-  req.set_top_k(5);
-  return req;
-}
-
-uint64_t BytesOf(int64_t rows) { return rows * kHead.hidden * 2 + rows * 4; }
-
-void WriteInputs(const Inputs& in, SharedMemoryBuffer& shm) {
-  auto* p = static_cast<char*>(shm.data());
-  std::memcpy(p, in.hidden.data(), in.hidden.size() * 2);
-  std::memcpy(p + in.hidden.size() * 2, in.ids.data(), in.ids.size() * 4);
-}
-
-void ExpectBitwiseEqual(const ScoreOutput& a, const ScoreOutput& b) {
-  EXPECT_EQ(a.rows, b.rows);
-  EXPECT_EQ(Bits(a.target_logprobs), Bits(b.target_logprobs));
-  EXPECT_EQ(Bits(a.entropy), Bits(b.entropy));
-  EXPECT_EQ(a.top_k_ids, b.top_k_ids);
-  EXPECT_EQ(Bits(a.top_k_logprobs), Bits(b.top_k_logprobs));
-}
-
-// A fresh object of `bytes` bytes registered through `client` under the fresh name Unique(what)
-// (returned in *name); a failure is a gtest failure.
-std::unique_ptr<SharedMemoryBuffer> RegisteredObject(Client& client, const std::string& what,
-                                                     uint64_t bytes, std::string* name) {
-  auto shm = SharedMemoryBuffer::Create("/" + Unique(what), bytes);
-  EXPECT_TRUE(shm.ok()) << shm.status();
-  if (!shm.ok()) return nullptr;
-  *name = Unique(what);
-  const absl::Status s = client.RegisterSharedMemory(*name, (*shm)->key(), 0, bytes);
-  EXPECT_TRUE(s.ok()) << s;
-  return *std::move(shm);
-}
 
 class SharedMemoryE2ETest : public ::testing::Test {
  protected:
@@ -377,15 +290,6 @@ TEST(SharedMemoryUnregisterE2ETest, WaitsForTheRequestReadingIt) {
   EXPECT_EQ((*client)->Score(ShmRequest(name, kRows)).status().code(), absl::StatusCode::kNotFound);
 }
 
-// RegisteredObject holding MakeInputs(rows, seed).
-std::unique_ptr<SharedMemoryBuffer> RegisteredInputs(Client& client, const std::string& what,
-                                                     int64_t rows, uint64_t seed,
-                                                     std::string* name) {
-  std::unique_ptr<SharedMemoryBuffer> shm = RegisteredObject(client, what, BytesOf(rows), name);
-  if (shm != nullptr) WriteInputs(MakeInputs(rows, seed), *shm);
-  return shm;
-}
-
 // Session streams: the server counts every request a ScoreStream carried
 // (logitserve_requests_total{method="ScoreStream"}) and every unary Score apart.
 class SessionStreamE2ETest : public ::testing::Test {
@@ -398,6 +302,7 @@ class SessionStreamE2ETest : public ::testing::Test {
   static std::unique_ptr<Client> MakeClient(int session_streams) {
     ClientOptions o = WithToken(nullptr);
     o.session_streams = session_streams;
+    o.shm_channels = 0;  // shm_channel_e2e_test.cc covers those
     auto client = Client::Create(server_->address(), o);
     EXPECT_TRUE(client.ok()) << client.status();
     return client.ok() ? *std::move(client) : nullptr;
@@ -525,6 +430,7 @@ TEST(SessionStreamDeadlineE2ETest, ACallEndsAtItsDeadline) {
   ASSERT_NE(server, nullptr);
   ClientOptions o = WithToken(nullptr);
   o.rpc_timeout = absl::Milliseconds(300);
+  o.shm_channels = 0;
   auto client = Client::Create(server->address(), o);
   ASSERT_TRUE(client.ok()) << client.status();
   constexpr int64_t kRows = 64;
