@@ -37,7 +37,8 @@ wanted=(logitserve logitserve-cli cuda_kernels_test hidden_stats_test cuda_backe
         cuda_backend_conformance_test cuda_backend_edge_cases_test cuda_backend_determinism_test
         cuda_fault_test cuda_sticky_fault_test watchdog_test logitserve-kernel-bench
         cuda_server_fault_test cuda_server_test service_e2e_test serving_e2e_test
-        load_head_e2e_test client_e2e_test logitserve-bench logitserve-rpc-bench logitserve-wire-bench)
+        load_head_e2e_test client_e2e_test client_shm_e2e_test client_shm_channel_e2e_test
+        logitserve-bench logitserve-rpc-bench logitserve-wire-bench)
 targets=()
 for t in "${wanted[@]}"; do
   if grep -qx "$t" <<<"$available"; then targets+=("$t"); else echo "device-bundle: no target $t (skipped)"; fi

@@ -451,18 +451,22 @@ std::vector<BackendFactory> Layouts() {
 
 // Layouts() through the fused hidden-mode kernel (CudaBackendOptions::hidden_fused), in 512-row
 // pipelined tiles (an 1100-row job: three, the last partial); the path's own bits must agree
-// across them as the cuBLASLt path's do.
+// across them as the cuBLASLt path's do. The default cluster choice ("auto") runs the full tiles
+// in 2x1 clusters and shorter launches (the partial tile, a row alone) in 2x2 ones; one layout
+// pins 2x2 for every launch.
 std::vector<BackendFactory> FusedLayouts() {
   struct L {
     const char* name;
     int shards;
     std::vector<int64_t> weights;
     std::vector<int> devices;
+    const char* cluster;
   };
-  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}},
-                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}},
-                       {"fused_shards_2_1_0", 3, {2, 1, 0}, {0}}};
-  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}});
+  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}, "auto"},
+                       {"fused_one_gpu_2x2", 1, {}, {0}, "2x2"},
+                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}, "auto"},
+                       {"fused_shards_2_1_0", 3, {2, 1, 0}, {0}, "auto"}};
+  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}, "auto"});
   std::vector<BackendFactory> f;
   for (const L& l : ls) {
     f.push_back(BackendFactory{l.name, [l]() {
@@ -472,6 +476,7 @@ std::vector<BackendFactory> FusedLayouts() {
                                  o.shard_weights = l.weights;
                                  o.hidden_fused = true;
                                  o.hidden_fused_tile_rows = 512;
+                                 o.hidden_fused_cluster = l.cluster;
                                  return CreateCudaBackend(o);
                                }});
   }

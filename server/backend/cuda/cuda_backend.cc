@@ -72,7 +72,7 @@ using cuda_internal::TopKTileRows;
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const CudaBackendOptions& options, std::vector<std::unique_ptr<Rank>> ranks,
-              TestFault fault, bool fused, kc::HiddenCluster cluster)
+              TestFault fault, bool fused, std::optional<kc::HiddenCluster> cluster)
       : options_(options),
         fault_(fault),
         fused_(fused),
@@ -124,7 +124,7 @@ class CudaBackend final : public Backend {
   const TestFault fault_;
   // Every rank's device runs the fused hidden-mode kernel (JobPlan::fused: options_ say when).
   const bool fused_;
-  const kc::HiddenCluster fused_cluster_;
+  const std::optional<kc::HiddenCluster> fused_cluster_;  // none: "auto"
   std::vector<std::unique_ptr<Rank>> ranks_;
   FatalState fatal_;
   absl::Mutex score_mu_;  // one job at a time uses the ranks
@@ -570,8 +570,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     return absl::InvalidArgumentError(
         "hidden_fused_tile_rows must be 0 or a multiple of 128 <= 65536");
   }
-  kc::HiddenCluster fused_cluster = kc::HiddenCluster::k2x2;
-  {
+  std::optional<kc::HiddenCluster> fused_cluster;
+  if (options.hidden_fused_cluster != "auto") {
     const std::pair<const char*, kc::HiddenCluster> names[] = {{"1x1", kc::HiddenCluster::k1x1},
                                                                {"2x1", kc::HiddenCluster::k2x1},
                                                                {"1x2", kc::HiddenCluster::k1x2},
@@ -586,7 +586,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     if (!known) {
       return absl::InvalidArgumentError(absl::StrCat("hidden_fused_cluster '",
                                                      options.hidden_fused_cluster,
-                                                     "' is not one of 1x1, 2x1, 1x2, 2x2"));
+                                                     "' is not one of auto, 1x1, 2x1, 1x2, 2x2"));
     }
   }
   LOGITSERVE_ASSIGN_OR_RETURN(TestFault fault, ParseTestFault(options.test_fault, shards));

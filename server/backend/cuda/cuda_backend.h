@@ -125,9 +125,13 @@ struct CudaBackendOptions {
   int64_t hidden_fused_max_hidden = 1024;
   // Fused path: rows per pipelined row tile (a multiple of 128; 0 = kFusedTileRows, fewer when
   // top-k or JSD keep the logits), and CTAs per cluster sharing operand tiles by multicast,
-  // "RxB" for R row tiles x B vocabulary blocks: 1x1, 2x1, 1x2 or 2x2. Neither changes a result.
+  // "RxB" for R row tiles x B vocabulary blocks: 1x1, 2x1, 1x2 or 2x2, or "auto": per launch, 2x1
+  // from kFusedAutoClusterRows (job_plan.h) rows on, else 2x2 (H200, H 1024, V 151936 pair: N
+  // 8192 10.71 ms 2x1 against 11.35 2x2, N 1024 1.474 against 1.503, N 128 0.785 against 0.716).
+  // Neither changes a result (the kernel's bits do not depend on the cluster shape:
+  // hidden_stats_test).
   int64_t hidden_fused_tile_rows = 0;
-  std::string hidden_fused_cluster = "2x2";
+  std::string hidden_fused_cluster = "auto";
   // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
   // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
   // order the ranks meet before each all-gather: one per row tile, two with a JSD pass). Exercises

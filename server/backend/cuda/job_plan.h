@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "logitserve/kernels/block_stats.h"
@@ -42,6 +43,13 @@ inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t CeilDiv(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 // Read-only description of one job, shared by the rank workers.
+// CudaBackendOptions::hidden_fused_cluster "auto": clusters of two row tiles (each CTA pair
+// shares its weight tiles by multicast) once a launch has enough rows to fill them, else 2x2.
+inline constexpr int64_t kFusedAutoClusterRows = 512;
+inline kc::HiddenCluster FusedAutoCluster(int64_t rows) {
+  return rows >= kFusedAutoClusterRows ? kc::HiddenCluster::k2x1 : kc::HiddenCluster::k2x2;
+}
+
 struct JobPlan {
   const ScoreJob* job = nullptr;
   std::vector<ShardRange> layout;
@@ -59,7 +67,7 @@ struct JobPlan {
   // so the fused launch also writes them into two alternating slots of [tile_rows][chunk_cols].
   bool fused = false;
   bool fused_logits = false;
-  kc::HiddenCluster fused_cluster = kc::HiddenCluster::k2x2;
+  std::optional<kc::HiddenCluster> fused_cluster;  // none: FusedAutoCluster(the launch's rows)
   // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
   // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
   bool overlap_gemms = false;

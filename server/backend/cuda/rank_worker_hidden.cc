@@ -52,7 +52,7 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
     if (plan_.pair) args.logits_b = Slot(ref_, slot_);
     args.logits_ld = plan_.chunk_cols;
   }
-  args.cluster = plan_.fused_cluster;
+  args.cluster = plan_.fused_cluster.value_or(FusedAutoCluster(rows));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchHiddenStats(a, plan_.pair ? &r : nullptr, args, on));
   return absl::OkStatus();
 }
