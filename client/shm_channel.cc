@@ -142,7 +142,7 @@ bool ShmChannel::WaitForAnswer(uint32_t seq, absl::Time until, bool* closed) {
   const absl::Time spin_until = std::min(until, absl::Now() + options_.spin);
   while (!answered()) {
     if (absl::Now() >= spin_until) break;
-    for (int i = 0; i < 64; ++i) wire::CpuRelax();
+    for (int i = 0; i < 64; ++i) CpuRelax();
   }
   constexpr absl::Duration kSlice = absl::Milliseconds(50);
   for (;;) {

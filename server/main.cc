@@ -53,6 +53,7 @@ struct Flags {
   int queue_size = 256;
   int64_t max_batch_tokens = 8192;
   int64_t max_queue_delay_us = 0;
+  int64_t worker_idle_spin_us = -1;  // by backend: DefaultWorkerIdleSpin
   int64_t memory_budget_bytes = int64_t{4} << 30;
   int64_t max_head_bytes = int64_t{16} << 30;
   int64_t stream_window_bytes = int64_t{64} << 20;
@@ -116,6 +117,12 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "How long the oldest queued request may wait for others to fill its batch "
                  "(0 = batch what is queued when a worker is free)")
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
+      ->capture_default_str();
+  app.add_option("--worker-idle-spin-us", f.worker_idle_spin_us,
+                 "After a batch, how long a scheduler worker looks for the next request before it "
+                 "sleeps, microseconds; -1 = by backend: 200 for cuda (saves the wake-up of a "
+                 "small call that follows), 0 for cpu (its cores compute)")
+      ->check(CLI::Range(int64_t{-1}, int64_t{1'000'000}))
       ->capture_default_str();
   app.add_option("--memory-budget-bytes", f.memory_budget_bytes,
                  "Host bytes admitted at once: every byte a request makes the server hold (its "
@@ -276,6 +283,7 @@ ServerOptions ToServerOptions(const Flags& flags, const ServingFlags& serving) {
   o.scheduler.queue_size = static_cast<size_t>(flags.queue_size);
   o.scheduler.max_batch_tokens = flags.max_batch_tokens;
   o.scheduler.max_queue_delay = std::chrono::microseconds(flags.max_queue_delay_us);
+  o.scheduler.idle_spin = std::chrono::microseconds(flags.worker_idle_spin_us);
   o.scheduler.memory_budget_bytes = flags.memory_budget_bytes;
   o.limits.max_top_k = flags.max_top_k;
   o.limits.max_tokens_per_request = flags.max_tokens_per_request;

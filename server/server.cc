@@ -104,6 +104,10 @@ int DefaultSchedulerWorkers(const std::string& backend_name) {
   return backend_name == "cuda" ? 2 : 1;
 }
 
+std::chrono::microseconds DefaultWorkerIdleSpin(const std::string& backend_name) {
+  return std::chrono::microseconds(backend_name == "cuda" ? 200 : 0);
+}
+
 namespace {
 
 // Loads every head named by the options, prepares it on the backend and adds it to the store.
@@ -223,6 +227,9 @@ absl::Status Server::Start() {
   service_options.scheduler = o.scheduler;
   if (service_options.scheduler.workers <= 0) {
     service_options.scheduler.workers = DefaultSchedulerWorkers(backend_->name());
+  }
+  if (service_options.scheduler.idle_spin.count() < 0) {
+    service_options.scheduler.idle_spin = DefaultWorkerIdleSpin(backend_->name());
   }
   spdlog::info("scheduler: {} workers{}", service_options.scheduler.workers,
                o.scheduler.workers <= 0 ? " (the backend's default, --workers 0)" : "");

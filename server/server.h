@@ -93,6 +93,9 @@ struct ServerOptions {
 // Scheduler workers (batches computed concurrently) when --workers is 0: 2 for the CUDA backend
 // (host work of one batch overlaps the GPU work of the other), 1 for the CPU backend.
 int DefaultSchedulerWorkers(const std::string& backend_name);
+// SchedulerOptions::idle_spin when negative (--worker-idle-spin-us -1): 200 us for the CUDA
+// backend (its workers wait on the GPU, the host cores are idle), 0 for the CPU backend.
+std::chrono::microseconds DefaultWorkerIdleSpin(const std::string& backend_name);
 
 // Process exit codes of the server binary.
 inline constexpr int kExitStartupError = 1;

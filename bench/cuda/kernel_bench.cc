@@ -603,7 +603,7 @@ int main(int argc, char** argv) {
     struct Fused {
       bool on = false;
       bool tiles = false;  // never fused (hidden_fused_max_hidden = 0)
-      std::string cluster = "2x2";
+      std::string cluster = logitserve::CudaBackendOptions{}.hidden_fused_cluster;
       int64_t tile_rows = 0;
     };
     Fused tiles_only;  // the cuBLASLt tiles at every hidden size

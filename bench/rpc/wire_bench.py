@@ -19,15 +19,18 @@ states, int32 target ids [N], entropy).
             of each call's wall time (wall - queue_us - compute_us, median), what a call costs
             beyond the server's compute; rtt_ms: a grpc.health.v1 Check (median), the unary
             round trip; cli_shm: this process's CPU ms per shm call. The shm calls go over
-            session streams (--session-streams, the client's default 8; 0 = unary calls)
+            shared-memory call channels (--shm-channels, the client's default 8; 0 = off),
+            else session streams (--session-streams, the client's default 8; 0 = unary calls)
   --shm-only  just compute + the shm path (no pipelined or rate runs): the fixed cost per call
 Pipelined and shared-memory results must equal the unsplit one bit for bit (`wrong` otherwise).
 
   python3 bench/rpc/wire_bench.py --target 127.0.0.1:50051 --rows 64,1024,8192 [--json F]
   python3 bench/rpc/wire_bench.py --rows 64,256 --iters 401 --shm-only --session-streams 0|8
+  python3 bench/rpc/wire_bench.py --rows 64,256 --iters 401 --shm-only --shm-channels 0|8
 """
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -54,6 +57,9 @@ def main():
     ap.add_argument("--session-streams", type=int, default=8,
                     help="Client(session_streams=): shm calls over kept-open ScoreStreams; "
                          "0 = unary")
+    ap.add_argument("--shm-channels", type=int, default=8,
+                    help="Client(shm_channels=): shm calls over shared-memory call channels "
+                         "(before session streams); 0 = off")
     ap.add_argument("--transfer-json", help="logitserve-wire-bench --json output (transfer_ms)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -69,6 +75,10 @@ def main():
               "%s" % e)
         return 2
 
+    # A package from before shared-memory channels takes no shm_channels (A/B runs against it).
+    channel_args = {}
+    if "shm_channels" in inspect.signature(logitserve.Client).parameters:
+        channel_args["shm_channels"] = args.shm_channels
     transfer = {}
     if args.transfer_json:
         for r in json.load(open(args.transfer_json))["results"]:
@@ -77,9 +87,11 @@ def main():
                               pipeline_chunk_bytes=args.pipeline_chunk_bytes,
                               pipeline_depth=args.pipeline_depth,
                               pipeline_streams=args.pipeline_streams,
-                              session_streams=args.session_streams)
+                              session_streams=args.session_streams,
+                              **channel_args)
     unpiped = logitserve.Client(args.target, token=args.token, timeout=600,
-                                pipeline_chunk_bytes=0, session_streams=args.session_streams)
+                                pipeline_chunk_bytes=0, session_streams=args.session_streams,
+                                **channel_args)
     heads = unpiped.list_heads()
     head = heads[args.head]
     V, H = head.vocab_size, head.hidden_size
@@ -89,10 +101,11 @@ def main():
         malloc_state = lambda: "n/a"  # noqa: E731
     print("backend %s, head %s (V = %d, H = %d), Python client, pipelining %d-byte chunks x %d "
           "in flight x %d streams; %d iterations (medians), rates over >= %.1f s; large "
-          "allocations kept: %s; session streams: %d%s" % (
+          "allocations kept: %s; session streams: %d; shm channels: %s%s" % (
               heads.backend, args.head, V, H, args.pipeline_chunk_bytes, args.pipeline_depth,
               args.pipeline_streams, args.iters, args.rate_seconds, malloc_state(),
-              args.session_streams, "; shm only" if args.shm_only else ""))
+              args.session_streams, channel_args.get("shm_channels", "n/a"),
+              "; shm only" if args.shm_only else ""))
     print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %7s %9s %6s %7s %6s %9s "
           "%11s %7s" % (
               "rows", "MiB", "compute_ms", "compute_t/s", "e2e_t/s", "C", "e2e/cmp", "single_ms",
@@ -224,7 +237,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump(dict(client="python", backend=heads.backend, head=args.head, vocab_size=V,
                            hidden_size=H, iters=args.iters, pid=os.getpid(),
-                           session_streams=args.session_streams, shm_only=args.shm_only,
+                           session_streams=args.session_streams,
+                           shm_channels=channel_args.get("shm_channels"), shm_only=args.shm_only,
                            large_allocations_kept=malloc_state(), results=results),
                       f, indent=2)
     piped.close()

@@ -41,6 +41,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "common/base/cpu_relax.h"
+
 namespace logitserve::wire {
 
 inline constexpr uint32_t kShmChannelMagic = 0x3143534cu;  // "LSC1"
@@ -91,14 +93,5 @@ inline std::atomic_ref<uint64_t> Word64(void* base, uint64_t offset) {
 // after `timeout` (spurious returns are allowed: the caller re-reads the word).
 void FutexWait(uint32_t* word, uint32_t expected, std::chrono::microseconds timeout);
 void FutexWakeAll(uint32_t* word);
-
-// One pause of a spin-wait loop (the x86 PAUSE / arm64 YIELD hint).
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 }  // namespace logitserve::wire

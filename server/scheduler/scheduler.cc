@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/base/cpu_relax.h"
 #include "server/scheduler/batch.h"
 
 namespace logitserve {
@@ -72,6 +73,7 @@ absl::Status Scheduler::Submit(Item item) {
     bytes_in_flight_ += q->bytes;
     ++items_in_flight_;
     queue_.push_back(std::move(q));
+    queued_.store(queue_.size(), std::memory_order_relaxed);
     // Under the lock, so depth reports arrive in queue order (the hook is a cheap gauge store).
     if (hooks_.on_queue_depth) hooks_.on_queue_depth(static_cast<int64_t>(queue_.size()));
     work_cv_.Signal();
@@ -105,7 +107,10 @@ int64_t Scheduler::bytes_in_flight() const {
   return bytes_in_flight_;
 }
 
-std::vector<std::unique_ptr<Scheduler::Queued>> Scheduler::TakeBatch() {
+std::vector<std::unique_ptr<Scheduler::Queued>> Scheduler::TakeBatch(Clock::time_point spin_until) {
+  while (queued_.load(std::memory_order_relaxed) == 0 && Clock::now() < spin_until) {
+    for (int i = 0; i < 32; ++i) CpuRelax();
+  }
   std::vector<std::unique_ptr<Queued>> batch;
   {
     absl::MutexLock lock(&mu_);
@@ -137,6 +142,7 @@ std::vector<std::unique_ptr<Scheduler::Queued>> Scheduler::TakeBatch() {
           queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(*it));
         }
         std::reverse(batch.begin(), batch.end());
+        queued_.store(queue_.size(), std::memory_order_relaxed);
         if (hooks_.on_queue_depth) hooks_.on_queue_depth(static_cast<int64_t>(queue_.size()));
         break;
       }
@@ -149,11 +155,13 @@ std::vector<std::unique_ptr<Scheduler::Queued>> Scheduler::TakeBatch() {
 
 void Scheduler::WorkerLoop() {
   MergedInputs staging;  // reused by every batch this worker merges
+  Clock::time_point spin_until{};
   while (true) {
-    std::vector<std::unique_ptr<Queued>> batch = TakeBatch();
+    std::vector<std::unique_ptr<Queued>> batch = TakeBatch(spin_until);
     if (batch.empty()) return;
     RunBatch(std::move(batch), &staging);
     staging.Trim();
+    spin_until = Clock::now() + options_.idle_spin;
   }
 }
 

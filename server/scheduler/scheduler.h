@@ -22,6 +22,7 @@
 // threads, exactly once per admitted item, never under the scheduler's lock.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +48,10 @@ struct SchedulerOptions {
   // How long the oldest queued item may wait for more rows to fill its batch (0 = take what is
   // queued now; under load, requests that arrive while a batch runs are batched anyway).
   std::chrono::microseconds max_queue_delay{0};
+  // After computing a batch, how long a worker looks for the next request without sleeping (a
+  // closed-loop client's next call usually comes within tens of microseconds; a condition
+  // variable's wake-up costs about as much on an idle machine). 0 = sleep at once.
+  std::chrono::microseconds idle_spin{0};
   // Budget of request bytes (inputs + outputs, see ItemBytes) admitted and not yet done, plus
   // bytes held past done (AddHeldBytes); 0 = unlimited.
   int64_t memory_budget_bytes = 0;
@@ -124,7 +129,8 @@ class Scheduler {
   };
   void WorkerLoop();
   // Waits for work and removes the next batch from the queue; empty when stopping and drained.
-  std::vector<std::unique_ptr<Queued>> TakeBatch();
+  // The next batch; first spins (without the lock) until `spin_until` while the queue is empty.
+  std::vector<std::unique_ptr<Queued>> TakeBatch(Clock::time_point spin_until);
   // `staging`: the calling worker's reusable buffer for merged inputs (batch.h).
   void RunBatch(std::vector<std::unique_ptr<Queued>> batch, MergedInputs* staging);
   // Computes `members` as one job (or alone) into per-member statuses and results.
@@ -140,6 +146,7 @@ class Scheduler {
   mutable absl::Mutex mu_;
   absl::CondVar work_cv_;
   std::deque<std::unique_ptr<Queued>> queue_ ABSL_GUARDED_BY(mu_);
+  std::atomic<size_t> queued_{0};  // queue_.size(), for the workers' idle spin (no lock)
   int64_t bytes_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t items_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

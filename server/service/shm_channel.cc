@@ -147,7 +147,7 @@ bool ShmChannel::WaitForRequest(uint32_t last, Clock::time_point spin_until, uin
       return true;
     }
     if (Clock::now() < spin_until) {
-      for (int i = 0; i < 64; ++i) wire::CpuRelax();
+      for (int i = 0; i < 64; ++i) CpuRelax();
       continue;
     }
     wire::FutexWait(word, last, kSleepSlice);

@@ -1,11 +1,13 @@
 #include "server/scheduler/scheduler.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -192,6 +194,36 @@ TEST(SchedulerTest, StoppedItemsAreNeverLaunched) {
   EXPECT_TRUE(b.result.entropy.empty());
   // Only the live job's 3 rows ever reached the backend.
   EXPECT_EQ(backend->rows(), (std::vector<int64_t>{3}));
+}
+
+// Workers that spin after a batch (SchedulerOptions::idle_spin, the CUDA server's default) take
+// items that arrive while they spin and items that arrive after they went to sleep, with the
+// bits of the backend alone, and a scheduler stopped while they spin stops.
+TEST(SchedulerTest, SpinningWorkersTakeLateAndEarlyItemsAndStop) {
+  std::unique_ptr<RecordingBackend> backend = MakeBackend();
+  std::mt19937_64 rng(12);
+  const HiddenJobs heads = MakeHeads(*backend, rng);
+  SchedulerOptions options;
+  options.workers = 2;
+  options.idle_spin = std::chrono::milliseconds(50);
+  const auto start = std::chrono::steady_clock::now();
+  {
+    Scheduler scheduler(backend.get(), options, {});
+    for (int i = 0; i < 6; ++i) {
+      const OwnedJob job = heads.Make(rng, 1 + i, 2);
+      Outcome out;
+      ASSERT_TRUE(scheduler.Submit(ItemFor(job, &out)).ok());
+      out.done.WaitForNotification();
+      ASSERT_TRUE(out.status.ok()) << out.status;
+      LOGITSERVE_ASSERT_SCORE(alone, *backend, job.job);
+      testing::ExpectBitwiseEqual(out.result, alone);
+      // Every other item comes after the workers' spin ran out.
+      if (i % 2 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    }
+  }  // Stop with both workers spinning
+  // Each job once through the scheduler, then once alone.
+  EXPECT_EQ(backend->rows(), (std::vector<int64_t>{1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6}));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
 TEST(SchedulerTest, AMemberThatStopsDuringItsBatchGetsItsOwnStatus) {

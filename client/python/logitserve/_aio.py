@@ -15,7 +15,9 @@ class AsyncClient:
     (grpc.aio channels bind to it); `async with AsyncClient(...) as c:` closes the channel.
     Chunks of a request split by the server's limits run concurrently after the first; large
     requests are pipelined over ScoreStream as in Client. Requests without tensor bytes go over
-    session streams as in Client (one per concurrent task, session_streams kept while idle)."""
+    session streams as in Client (one per concurrent task, session_streams kept while idle).
+    It keeps no shared-memory channels (Client's shm_channels): a channel call waits on a futex,
+    which would block the event loop, so those requests stay on session streams."""
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from . import _api, _malloc, _pb, _session, _wire
+from . import _api, _malloc, _pb, _session, _shm_channel, _wire
 from ._errors import DeadlineExceeded, LogitserveError, from_rpc_error
 
 
@@ -182,6 +182,21 @@ class Client:
                      and a stream that fails is dropped and the call goes unary (with its
                      retries). Results are those of unary calls, bit for bit. See
                      logitserve/_session.py.
+      shm_channels   such a call goes first over a shared-memory call channel when the server is
+                     on this host (it reads the request from, and answers into, a region both
+                     processes map; a futex wakes each side: no gRPC round trip per call): one
+                     channel per concurrent caller thread, at most shm_channels (8) kept open
+                     while idle; 0 = off. Deadlines and errors as for session streams (past the
+                     deadline the server is also asked to stop the request). When the server
+                     cannot serve channels (an older server, one on another host, a message limit
+                     below the 1 MiB request area) they are turned off for this client; when it
+                     refuses one for now (its channel limit, draining) or closes one, that call
+                     goes on over a session stream (else unary), as does a request whose answer
+                     could exceed the 8 MiB response area. Linux on x86_64 only (elsewhere always
+                     off); AsyncClient has none. See logitserve/_shm_channel.py.
+      shm_channel_spin_us
+                     how long a channel call spins (holding the GIL) for its answer before it
+                     sleeps on the futex, microseconds (default 0: sleep at once)
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
@@ -189,7 +204,9 @@ class Client:
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
                  pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True,
-                 session_streams=8):
+                 session_streams=8, shm_channels=8, shm_channel_spin_us=0):
+        if shm_channels is None or int(shm_channels) < 0 or shm_channel_spin_us < 0:
+            raise ValueError("shm_channels and shm_channel_spin_us must be >= 0")
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
@@ -232,6 +249,11 @@ class Client:
         if self._s.session_streams > 0:
             self._sessions = _session.SessionPool(self._channel, self._s.metadata(),
                                                   self._s.session_streams)
+        # Shared-memory channels for the same requests (tried first; on the main channel).
+        self._channels = None
+        if int(shm_channels) > 0 and _shm_channel.supported():
+            self._channels = _shm_channel.ChannelPool(self._channel, self._s.metadata(),
+                                                      int(shm_channels), shm_channel_spin_us)
         self._limits = None
         self._lock = threading.Lock()
 
@@ -244,6 +266,8 @@ class Client:
             pool, self._sender_pool = self._sender_pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        if self._channels is not None:
+            self._channels.close()  # cancels the idle channels' calls
         if self._sessions is not None:
             self._sessions.close()  # half-closes the idle streams while the channel is up
         for ch in self._pipeline_channels:
@@ -330,14 +354,20 @@ class Client:
         return _api.assemble(responses, chunks, meta, request.request_id)
 
     def _score_once(self, request):
-        """One Score RPC's response: over a session stream when the request carries no tensor
-        bytes and the client keeps session streams (see logitserve/_session.py), else unary; a
-        request a session stream could not answer goes unary."""
-        if self._sessions is not None and not request.arrays:
-            response = self._sessions.score(_wire.serialize_stream_request(request),
-                                            self._s.timeout)
-            if response is not None:
-                return response
+        """One Score call's response. A request that carries no tensor bytes goes over a
+        shared-memory channel (logitserve/_shm_channel.py), else over a session stream
+        (logitserve/_session.py), each when the client keeps them; every other request, and one
+        those paths could not answer, goes unary."""
+        if not request.arrays:
+            if self._channels is not None:
+                response = self._channels.score(request, self._s.timeout)
+                if response is not None:
+                    return response
+            if self._sessions is not None:
+                response = self._sessions.score(_wire.serialize_stream_request(request),
+                                                self._s.timeout)
+                if response is not None:
+                    return response
         return self._call(self._score, request)
 
     def _score_pipelined(self, request, meta, chunks):

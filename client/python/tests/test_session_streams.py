@@ -2,7 +2,8 @@
 bytes goes as one message of a ScoreStream kept open between calls. The server counts every
 request a ScoreStream carried (logitserve_requests_total{method="ScoreStream"}) apart from the
 unary Score calls, and every stream it holds open as a call state created and not yet released;
-those counters show which path a call took."""
+those counters show which path a call took. Every Client here keeps no shared-memory channels
+(shm_channels=0): those would carry these calls first (test_shm_channel.py)."""
 
 import threading
 import time
@@ -109,8 +110,8 @@ def _region(client, bits, ids):
 def test_the_stream_carries_shared_memory_calls_with_the_bits_of_unary_calls(metered):
     bits, ids = _inputs(ROWS, seed=21)
     args = dict(head="policy", entropy=True, top_k=5)
-    with logitserve.Client(metered.address, session_streams=0) as unary, \
-            logitserve.Client(metered.address) as streamed:
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0) as unary, \
+            logitserve.Client(metered.address, shm_channels=0) as streamed:
         region, h, t = _region(streamed, bits, ids)
         with region:
             want = unary.score(hidden=h, target_ids=t, **args)
@@ -126,7 +127,8 @@ def test_the_stream_carries_shared_memory_calls_with_the_bits_of_unary_calls(met
             assert counts.delta() == {"Score": 1, "ScoreStream": 0}
 
             # Chunks of a request split by the client's row limit each go over the stream.
-            with logitserve.Client(metered.address, max_rows_per_request=5) as small:
+            with logitserve.Client(metered.address, shm_channels=0,
+                                   max_rows_per_request=5) as small:
                 counts = _Counts(metered)
                 split = small.score(hidden=h, target_ids=t, **args)
                 assert split.chunks == 3
@@ -136,7 +138,7 @@ def test_the_stream_carries_shared_memory_calls_with_the_bits_of_unary_calls(met
 
 def test_session_streams_0_stays_unary(metered):
     bits, ids = _inputs(ROWS, seed=22)
-    with logitserve.Client(metered.address, session_streams=0) as unary:
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0) as unary:
         assert unary._sessions is None
         region, h, t = _region(unary, bits, ids)
         with region:
@@ -151,8 +153,8 @@ def test_session_streams_0_stays_unary(metered):
 def test_concurrent_callers_each_get_their_own_answer(metered):
     threads, calls, pool = 6, 12, 2
     bits, ids = _inputs(threads, seed=23)
-    with logitserve.Client(metered.address, session_streams=0) as unary, \
-            logitserve.Client(metered.address, session_streams=pool) as streamed:
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0) as unary, \
+            logitserve.Client(metered.address, shm_channels=0, session_streams=pool) as streamed:
         region, h, t = _region(streamed, bits, ids)
         with region:
             # Thread k asks for the first k + 1 rows: an answer given to the wrong caller shows.
@@ -196,8 +198,10 @@ def test_concurrent_callers_each_get_their_own_answer(metered):
 
 def test_a_requests_own_error_is_the_unary_error_and_keeps_the_stream(metered):
     bits, ids = _inputs(ROWS, seed=24)
-    with logitserve.Client(metered.address, session_streams=0, max_retries=0) as unary, \
-            logitserve.Client(metered.address, session_streams=1, max_retries=0) as streamed:
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0,
+                           max_retries=0) as unary, \
+            logitserve.Client(metered.address, shm_channels=0, session_streams=1,
+                              max_retries=0) as streamed:
         region, h, t = _region(streamed, bits, ids)
         with region:
             streamed.score(head="policy", hidden=h, target_ids=t)
@@ -271,8 +275,8 @@ def _reference(unary, arrays):
 
 
 def test_arguments_changed_between_calls_are_honoured(metered):
-    with logitserve.Client(metered.address, session_streams=0) as unary, \
-            logitserve.Client(metered.address) as streamed, \
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0) as unary, \
+            logitserve.Client(metered.address, shm_channels=0) as streamed, \
             logitserve.SharedMemoryRegion(unary, 1 << 20) as a, \
             logitserve.SharedMemoryRegion(unary, 1 << 20) as b:
         counts = _Counts(metered)
@@ -287,7 +291,7 @@ def test_arguments_changed_between_calls_are_honoured(metered):
 
 def test_async_client_honours_arguments_changed_between_calls(metered):
     import asyncio
-    with logitserve.Client(metered.address, session_streams=0) as unary, \
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0) as unary, \
             logitserve.SharedMemoryRegion(unary, 1 << 20) as a, \
             logitserve.SharedMemoryRegion(unary, 1 << 20) as b:
 
@@ -310,8 +314,8 @@ def test_a_call_ends_at_its_deadline_and_its_stream_is_dropped(heads):
     bits, ids = _inputs(4, seed=25)
     with Server(heads.flags() + ["--test-fault", "slow-tile:1000",
                                  "--metrics-listen", "127.0.0.1:0"]) as s, \
-            logitserve.Client(s.address, timeout=0.3, max_retries=0) as c, \
-            logitserve.Client(s.address, timeout=30) as patient:
+            logitserve.Client(s.address, shm_channels=0, timeout=0.3, max_retries=0) as c, \
+            logitserve.Client(s.address, shm_channels=0, timeout=30) as patient:
         region, h, t = _region(patient, bits, ids)
         with region:
             counts = _Counts(s, ENDED)
@@ -343,7 +347,7 @@ def test_a_broken_stream_is_dropped_and_the_call_goes_unary(heads):
     port = free_port()
     first = Server(heads.flags() + ["--metrics-listen", "127.0.0.1:0"], port=port).start()
     try:
-        with logitserve.Client("127.0.0.1:%d" % port, max_retries=8) as c:
+        with logitserve.Client("127.0.0.1:%d" % port, shm_channels=0, max_retries=8) as c:
             region = logitserve.SharedMemoryRegion(c, 1 << 20, _register=False)
             h = region.put(bits)
             t = region.put(ids, offset=h.end)
@@ -370,7 +374,7 @@ def test_a_broken_stream_is_dropped_and_the_call_goes_unary(heads):
 def test_close_ends_the_streams_cleanly(metered):
     bits, ids = _inputs(ROWS, seed=27)
     open_before = _settled_call_states(metered.metrics_address)
-    c = logitserve.Client(metered.address, session_streams=3)
+    c = logitserve.Client(metered.address, shm_channels=0, session_streams=3)
     region, h, t = _region(c, bits, ids)
     start = threading.Barrier(3)
 
@@ -403,7 +407,8 @@ def test_async_client_uses_session_streams_with_unary_bits_errors_and_close(mete
     bits, ids = _inputs(ROWS, seed=28)
     args = dict(head="policy", entropy=True, top_k=4)
     bad = dict(head="policy", temperature=0.0)
-    with logitserve.Client(metered.address, session_streams=0, max_retries=0) as unary:
+    with logitserve.Client(metered.address, shm_channels=0, session_streams=0,
+                           max_retries=0) as unary:
         region, h, t = _region(unary, bits, ids)
         with region:
             want = unary.score(hidden=h, target_ids=t, **args)
@@ -457,7 +462,7 @@ def test_async_client_call_ends_at_its_deadline(heads):
     bits, ids = _inputs(4, seed=29)
     with Server(heads.flags() + ["--test-fault", "slow-tile:1000",
                                  "--metrics-listen", "127.0.0.1:0"]) as s, \
-            logitserve.Client(s.address, timeout=30) as patient:
+            logitserve.Client(s.address, shm_channels=0, timeout=30) as patient:
         region, h, t = _region(patient, bits, ids)
         with region:
             counts = _Counts(s, ENDED)
