@@ -231,26 +231,7 @@ TEST_F(ShmChannelE2ETest, ConcurrentCallersEachGetTheirOwnAnswer) {
     want.push_back(*std::move(w));
   }
   const double channel_before = Count(*server_, "OpenSharedMemoryChannel", "OK");
-  std::vector<int> wrong(kThreads, 0), failed(kThreads, 0);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < kCalls; ++i) {
-        absl::StatusOr<ScoreOutput> got = channeled->Score(request(t + 1));
-        if (!got.ok()) {
-          ++failed[t];
-        } else if (got->rows != t + 1 || Bits(got->entropy) != Bits(want[t].entropy) ||
-                   got->top_k_ids != want[t].top_k_ids) {
-          ++wrong[t];
-        }
-      }
-    });
-  }
-  for (std::thread& th : threads) th.join();
-  for (int t = 0; t < kThreads; ++t) {
-    EXPECT_EQ(failed[t], 0) << "thread " << t;
-    EXPECT_EQ(wrong[t], 0) << "thread " << t;
-  }
+  ExpectConcurrentCallersGetTheirOwnAnswers(*channeled, want, request, kThreads, kCalls);
   EXPECT_EQ(Count(*server_, "OpenSharedMemoryChannel", "OK") - channel_before, kThreads * kCalls);
   EXPECT_TRUE(channeled->UnregisterSharedMemory(name).ok());
 }

@@ -7,9 +7,11 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -122,6 +124,34 @@ inline std::unique_ptr<SharedMemoryBuffer> RegisteredInputs(Client& client, cons
   std::unique_ptr<SharedMemoryBuffer> shm = RegisteredObject(client, what, BytesOf(rows), name);
   if (shm != nullptr) WriteInputs(MakeInputs(rows, seed), *shm);
   return shm;
+}
+
+// `threads` threads call client.Score(request(t + 1)) `calls` times each, at once (thread t asks
+// for the first t + 1 rows: an answer given to the wrong caller shows); gtest failures for calls
+// that fail or answers that are not want[t]'s bits.
+inline void ExpectConcurrentCallersGetTheirOwnAnswers(
+    Client& client, const std::vector<ScoreOutput>& want,
+    const std::function<v1::ScoreRequest(int64_t rows)>& request, int threads, int calls) {
+  std::vector<int> wrong(threads, 0), failed(threads, 0);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      for (int i = 0; i < calls; ++i) {
+        absl::StatusOr<ScoreOutput> got = client.Score(request(t + 1));
+        if (!got.ok()) {
+          ++failed[t];
+        } else if (got->rows != t + 1 || Bits(got->entropy) != Bits(want[t].entropy) ||
+                   got->top_k_ids != want[t].top_k_ids) {
+          ++wrong[t];
+        }
+      }
+    });
+  }
+  for (std::thread& th : workers) th.join();
+  for (int t = 0; t < threads; ++t) {
+    EXPECT_EQ(failed[t], 0) << "thread " << t;
+    EXPECT_EQ(wrong[t], 0) << "thread " << t;
+  }
 }
 
 }  // namespace logitserve::client::shm_test

@@ -135,3 +135,53 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def concurrent_calls(score, want, inputs, threads, calls):
+    """Runs `calls` score(**inputs(k)) calls on each of `threads` threads at once (thread k asks
+    for want[k]'s rows: an answer given to the wrong caller shows); returns (wrong answers per
+    thread, errors). An answer is right when its entropy bits and top-k ids are want[k]'s."""
+    wrong, failed = [0] * threads, []
+    start = threading.Barrier(threads)
+
+    def bits(a):
+        return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+    def run(k):
+        start.wait()
+        for _ in range(calls):
+            try:
+                got = score(**inputs(k))
+            except Exception as e:  # noqa: BLE001 - every failure is reported to the test
+                failed.append(e)
+                continue
+            if len(got.entropy) != len(want[k].entropy) or not (
+                    np.array_equal(bits(got.entropy), bits(want[k].entropy)) and
+                    np.array_equal(got.top_k_ids, want[k].top_k_ids)):
+                wrong[k] += 1
+
+    workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return wrong, failed
+
+
+def random_inputs(n, seed, hidden, vocab):
+    """bf16 bit patterns of N(0, 1) hidden states [n, hidden] and int32 ids [n] below vocab."""
+    import logitserve  # the installed package (this module is imported before it elsewhere)
+    rng = np.random.default_rng(seed)
+    bits = logitserve.to_bf16_bits(rng.normal(0, 1, (n, hidden)).astype(np.float32))
+    ids = rng.integers(0, vocab, n).astype(np.int32)
+    return bits, ids
+
+
+def assert_same_bits(got, want):
+    """Every per-row output of two ScoreResults is the same bits."""
+    def bits(a):
+        return None if a is None else a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint8)
+
+    for name in ("target_logprobs", "entropy", "top_k_ids", "top_k_logprobs"):
+        np.testing.assert_array_equal(bits(getattr(got, name)), bits(getattr(want, name)),
+                                      err_msg=name)

@@ -16,26 +16,18 @@ import pytest
 import logitserve
 from logitserve import _api
 from conftest import H, V
-from support import Server, finished_rpcs, free_port
+from support import (Server, assert_same_bits, concurrent_calls, finished_rpcs, free_port,
+                     random_inputs)
 
 ROWS = 12
 
 
 def _inputs(n, seed):
-    rng = np.random.default_rng(seed)
-    bits = logitserve.to_bf16_bits(rng.normal(0, 1, (n, H)).astype(np.float32))
-    ids = rng.integers(0, V, n).astype(np.int32)
-    return bits, ids
+    return random_inputs(n, seed, H, V)
 
 
 def _bits(a):
     return None if a is None else a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint8)
-
-
-def _assert_same_bits(got, want):
-    for name in ("target_logprobs", "entropy", "top_k_ids", "top_k_logprobs"):
-        np.testing.assert_array_equal(_bits(getattr(got, name)), _bits(getattr(want, name)),
-                                      err_msg=name)
 
 
 def _open_call_states(metrics_address):
@@ -117,13 +109,13 @@ def test_the_stream_carries_shared_memory_calls_with_the_bits_of_unary_calls(met
             want = unary.score(hidden=h, target_ids=t, **args)
             counts = _Counts(metered)
             for _ in range(10):
-                _assert_same_bits(streamed.score(hidden=h, target_ids=t, **args), want)
+                assert_same_bits(streamed.score(hidden=h, target_ids=t, **args), want)
             assert counts.delta() == {"Score": 0, "ScoreStream": 10}
             assert streamed._sessions.idle() == 1  # one caller: one stream, kept open
 
             # A request carrying tensor bytes stays unary (and gives the same bits).
             counts = _Counts(metered)
-            _assert_same_bits(streamed.score(hidden=bits, target_ids=ids, **args), want)
+            assert_same_bits(streamed.score(hidden=bits, target_ids=ids, **args), want)
             assert counts.delta() == {"Score": 1, "ScoreStream": 0}
 
             # Chunks of a request split by the client's row limit each go over the stream.
@@ -132,7 +124,7 @@ def test_the_stream_carries_shared_memory_calls_with_the_bits_of_unary_calls(met
                 counts = _Counts(metered)
                 split = small.score(hidden=h, target_ids=t, **args)
                 assert split.chunks == 3
-                _assert_same_bits(split, want)
+                assert_same_bits(split, want)
                 assert counts.delta() == {"Score": 0, "ScoreStream": 3}
 
 
@@ -166,27 +158,7 @@ def test_concurrent_callers_each_get_their_own_answer(metered):
             want = [unary.score(**inputs(k)) for k in range(threads)]
             counts = _Counts(metered)
             open_before = _settled_call_states(metered.metrics_address)
-            wrong, failed = [0] * threads, []
-            start = threading.Barrier(threads)
-
-            def run(k):
-                start.wait()
-                for _ in range(calls):
-                    try:
-                        got = streamed.score(**inputs(k))
-                    except logitserve.LogitserveError as e:
-                        failed.append(e)
-                        continue
-                    if len(got.entropy) != k + 1 or not (
-                            np.array_equal(_bits(got.entropy), _bits(want[k].entropy)) and
-                            np.array_equal(got.top_k_ids, want[k].top_k_ids)):
-                        wrong[k] += 1
-
-            workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+            wrong, failed = concurrent_calls(streamed.score, want, inputs, threads, calls)
             assert not failed, failed[:3]
             assert wrong == [0] * threads
             assert counts.delta() == {"Score": 0, "ScoreStream": threads * calls}
@@ -283,7 +255,7 @@ def test_arguments_changed_between_calls_are_honoured(metered):
         calls = 0
         for shm, arrays in _changing_calls(a, b):
             got = streamed.score(**shm)
-            _assert_same_bits(got, _reference(unary, arrays))
+            assert_same_bits(got, _reference(unary, arrays))
             assert len(got.target_logprobs) == len(arrays["target_ids"])
             calls += 1
         assert counts.delta() == {"Score": calls, "ScoreStream": calls}
@@ -301,7 +273,7 @@ def test_async_client_honours_arguments_changed_between_calls(metered):
                 calls = 0
                 for shm, arrays in _changing_calls(a, b):
                     got = await c.score(**shm)
-                    _assert_same_bits(got, _reference(unary, arrays))
+                    assert_same_bits(got, _reference(unary, arrays))
                     assert len(got.target_logprobs) == len(arrays["target_ids"])
                     calls += 1
                 assert counts.delta() == {"Score": calls, "ScoreStream": calls}
@@ -359,7 +331,7 @@ def test_a_broken_stream_is_dropped_and_the_call_goes_unary(heads):
                 c.register_shared_memory(region.name, region.key, 0, region.size)
                 counts = _Counts(second)
                 got = c.score(head="policy", hidden=h, target_ids=t, entropy=True)
-                _assert_same_bits(got, want)
+                assert_same_bits(got, want)
                 assert counts.delta() == {"Score": 1, "ScoreStream": 0}
                 assert c._sessions.idle() == 0
                 counts = _Counts(second)
@@ -420,7 +392,7 @@ def test_async_client_uses_session_streams_with_unary_bits_errors_and_close(mete
                                                   session_streams=2) as a:
                     counts = _Counts(metered)
                     for _ in range(5):
-                        _assert_same_bits(await a.score(hidden=h, target_ids=t, **args), want)
+                        assert_same_bits(await a.score(hidden=h, target_ids=t, **args), want)
                     assert counts.delta() == {"Score": 0, "ScoreStream": 5}
                     assert a._sessions.idle() == 1
 

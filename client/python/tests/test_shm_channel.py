@@ -19,7 +19,7 @@ import pytest
 import logitserve
 from logitserve import _shm_channel
 from conftest import H, V
-from support import Server, finished_rpcs
+from support import Server, assert_same_bits, concurrent_calls, finished_rpcs, random_inputs
 
 ROWS = 12
 METHODS = ("Score", "ScoreStream", "OpenSharedMemoryChannel")
@@ -33,20 +33,7 @@ pytestmark = pytest.mark.skipif(not _shm_channel.supported(),
 
 
 def _inputs(n, seed):
-    rng = np.random.default_rng(seed)
-    bits = logitserve.to_bf16_bits(rng.normal(0, 1, (n, H)).astype(np.float32))
-    ids = rng.integers(0, V, n).astype(np.int32)
-    return bits, ids
-
-
-def _bits(a):
-    return None if a is None else a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint8)
-
-
-def _assert_same_bits(got, want):
-    for name in ("target_logprobs", "entropy", "top_k_ids", "top_k_logprobs"):
-        np.testing.assert_array_equal(_bits(getattr(got, name)), _bits(getattr(want, name)),
-                                      err_msg=name)
+    return random_inputs(n, seed, H, V)
 
 
 def _eventually(predicate, seconds=10.0):
@@ -126,14 +113,14 @@ def test_channels_carry_shared_memory_calls_with_the_bits_of_unary_calls(metered
             want = unary.score(hidden=h, target_ids=t, **args)
             counts = _Counts(metered)
             for _ in range(20):
-                _assert_same_bits(c.score(hidden=h, target_ids=t, **args), want)
+                assert_same_bits(c.score(hidden=h, target_ids=t, **args), want)
             assert counts.delta() == _carried(channel=20)
             assert c._channels.idle() == 1  # one caller: one channel, kept open
             assert not _left_in_dev_shm()  # unlinked once the server mapped it
 
             # A request carrying tensor bytes stays unary (and gives the same bits).
             counts = _Counts(metered)
-            _assert_same_bits(c.score(hidden=bits, target_ids=ids, **args), want)
+            assert_same_bits(c.score(hidden=bits, target_ids=ids, **args), want)
             assert counts.delta() == _carried(unary=1)
 
             # One whose answer could outgrow the response area (20000 rows of 64 top-k entries:
@@ -169,7 +156,7 @@ def test_a_spinning_wait_gives_the_same_answers(metered):
             want = unary.score(head="policy", hidden=h, target_ids=t, entropy=True)
             counts = _Counts(metered)
             for _ in range(5):
-                _assert_same_bits(c.score(head="policy", hidden=h, target_ids=t, entropy=True),
+                assert_same_bits(c.score(head="policy", hidden=h, target_ids=t, entropy=True),
                                   want)
             assert counts.delta() == _carried(channel=5)
     with pytest.raises(ValueError, match="shm_channel_spin_us"):
@@ -209,27 +196,7 @@ def test_concurrent_callers_each_get_their_own_answer(metered):
 
             want = [unary.score(**inputs(k)) for k in range(threads)]
             counts = _Counts(metered)
-            wrong, failed = [0] * threads, []
-            start = threading.Barrier(threads)
-
-            def run(k):
-                start.wait()
-                for _ in range(calls):
-                    try:
-                        got = c.score(**inputs(k))
-                    except logitserve.LogitserveError as e:
-                        failed.append(e)
-                        continue
-                    if len(got.entropy) != k + 1 or not (
-                            np.array_equal(_bits(got.entropy), _bits(want[k].entropy)) and
-                            np.array_equal(got.top_k_ids, want[k].top_k_ids)):
-                        wrong[k] += 1
-
-            workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+            wrong, failed = concurrent_calls(c.score, want, inputs, threads, calls)
             assert not failed, failed[:3]
             assert wrong == [0] * threads
             assert counts.delta() == _carried(channel=threads * calls)
@@ -267,7 +234,7 @@ def test_a_requests_own_error_is_the_unary_error_and_keeps_the_channel(metered):
                 assert counts.delta() == _carried(channel=1), want.value.code
                 assert c._channels._idle == [channel]
             counts = _Counts(metered)
-            _assert_same_bits(c.score(head="policy", hidden=h, target_ids=t, entropy=True),
+            assert_same_bits(c.score(head="policy", hidden=h, target_ids=t, entropy=True),
                               want_ok)
             assert counts.delta() == _carried(channel=1)
             assert c._channels._idle == [channel] and not channel.closed
@@ -317,7 +284,7 @@ def test_a_server_at_its_channel_limit_is_served_over_session_streams(heads):
             counts = _Counts(s)
             refused = _Counts(s, "RESOURCE_EXHAUSTED")
             for _ in range(3):
-                _assert_same_bits(c.score(head="policy", hidden=h, target_ids=t, entropy=True),
+                assert_same_bits(c.score(head="policy", hidden=h, target_ids=t, entropy=True),
                                   want)
             assert counts.delta() == _carried(stream=3)
             assert refused.delta() == _carried(channel=3)  # tried each time
