@@ -33,6 +33,22 @@ bool CarriesTensorBytes(const v1::ScoreRequest& request) {
   return false;
 }
 
+// The pools of calls kept open between Score calls (session streams, shared-memory channels), used
+// under Client::mu_. TakeIdle: the newest idle one, or null.
+template <typename T>
+std::unique_ptr<T> TakeIdle(std::vector<std::unique_ptr<T>>& idle) {
+  if (idle.empty()) return nullptr;
+  std::unique_ptr<T> item = std::move(idle.back());
+  idle.pop_back();
+  return item;
+}
+// Keeps `item` idle while fewer than `size` are; else leaves it with the caller, who closes it
+// (destroys it) outside the lock.
+template <typename T>
+void KeepIdle(std::vector<std::unique_ptr<T>>& idle, std::unique_ptr<T>& item, int size) {
+  if (static_cast<int>(idle.size()) < size) idle.push_back(std::move(item));
+}
+
 int ToMillis(absl::Duration d) {
   return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, 1 << 30));
 }
@@ -285,14 +301,12 @@ Client::~Client() {
 
 std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnShmChannel(
     const v1::ScoreRequest& request) {
+  if (!ShmChannel::Fits(options_.shm_channel, request)) return std::nullopt;
   std::unique_ptr<ShmChannel> channel;
   {
     absl::MutexLock lock(&mu_);
     if (channels_off_) return std::nullopt;
-    if (!idle_channels_.empty()) {
-      channel = std::move(idle_channels_.back());
-      idle_channels_.pop_back();
-    }
+    channel = TakeIdle(idle_channels_);
   }
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   if (channel == nullptr) {
@@ -314,13 +328,6 @@ std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnShmChannel(
     }
     channel = *std::move(opened);
   }
-  if (!channel->Fits(request)) {
-    absl::MutexLock lock(&mu_);
-    if (static_cast<int>(idle_channels_.size()) < options_.shm_channels) {
-      idle_channels_.push_back(std::move(channel));
-    }
-    return std::nullopt;
-  }
   bool broken = false;
   absl::StatusOr<v1::ScoreResponse> answer = channel->Call(request, deadline, &broken);
   if (broken) {
@@ -331,9 +338,7 @@ std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnShmChannel(
   // A server that is draining answers UNAVAILABLE: the gRPC path retries with backoff.
   if (answer.status().code() == absl::StatusCode::kUnavailable) return std::nullopt;
   absl::MutexLock lock(&mu_);
-  if (static_cast<int>(idle_channels_.size()) < options_.shm_channels) {
-    idle_channels_.push_back(std::move(channel));
-  }
+  KeepIdle(idle_channels_, channel, options_.shm_channels);
   return answer;
 }
 
@@ -342,10 +347,7 @@ std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnSessionStream(
   std::unique_ptr<SessionStream> stream;
   {
     absl::MutexLock lock(&mu_);
-    if (!idle_streams_.empty()) {
-      stream = std::move(idle_streams_.back());
-      idle_streams_.pop_back();
-    }
+    stream = TakeIdle(idle_streams_);
   }
   if (stream == nullptr) {
     stream = std::make_unique<SessionStream>(*pipeline_stubs_.front(), options_.bearer_token);
@@ -359,9 +361,7 @@ std::optional<absl::StatusOr<v1::ScoreResponse>> Client::ScoreOnSessionStream(
     return std::nullopt;
   }
   absl::MutexLock lock(&mu_);
-  if (static_cast<int>(idle_streams_.size()) < options_.session_streams) {
-    idle_streams_.push_back(std::move(stream));
-  }
+  KeepIdle(idle_streams_, stream, options_.session_streams);
   return answer;
 }
 

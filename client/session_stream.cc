@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/call_end.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
@@ -26,17 +27,7 @@ SessionStream::SessionStream(grpc::GenericStub& stub, const std::string& bearer_
 }
 
 SessionStream::~SessionStream() {
-  context_.TryCancel();
-  void* tag = nullptr;
-  bool ok = false;
-  // After the cancellation every operation in flight comes back promptly (with ok = false).
-  while (outstanding_ > 0 && cq_.Next(&tag, &ok)) --outstanding_;
-  grpc::Status status;
-  call_->Finish(&status, TagPtr(kFinish));
-  cq_.Next(&tag, &ok);
-  cq_.Shutdown();
-  while (cq_.Next(&tag, &ok)) {
-  }
+  CancelAndDrain(context_, cq_, call_.get(), outstanding_, TagPtr(kFinish));
 }
 
 bool SessionStream::Await(Tag tag, absl::Time deadline, bool* timed_out) {

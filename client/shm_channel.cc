@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "client/call_end.h"
 #include "client/request_split.h"
 #include "client/shm.h"
 #include "common/wire/shm_channel.h"
@@ -113,25 +114,12 @@ ShmChannel::ShmChannel(std::unique_ptr<SharedMemoryBuffer> region, const ShmChan
     : region_(std::move(region)), options_(options) {}
 
 ShmChannel::~ShmChannel() {
-  if (call_ != nullptr) {
-    context_.TryCancel();
-    void* tag = nullptr;
-    bool ok = false;
-    while (outstanding_ > 0 && cq_.Next(&tag, &ok)) --outstanding_;
-    grpc::Status status;
-    call_->Finish(&status, TagPtr(kFinish));
-    cq_.Next(&tag, &ok);
-  }
-  cq_.Shutdown();
-  void* tag = nullptr;
-  bool ok = false;
-  while (cq_.Next(&tag, &ok)) {
-  }
+  CancelAndDrain(context_, cq_, call_.get(), outstanding_, TagPtr(kFinish));
 }
 
-bool ShmChannel::Fits(const v1::ScoreRequest& request) const {
-  return request.ByteSizeLong() <= options_.request_bytes &&
-         ResponseBytesBound(request) <= options_.response_bytes;
+bool ShmChannel::Fits(const ShmChannelOptions& options, const v1::ScoreRequest& request) {
+  return request.ByteSizeLong() <= options.request_bytes &&
+         ResponseBytesBound(request) <= options.response_bytes;
 }
 
 bool ShmChannel::WaitForAnswer(uint32_t seq, absl::Time until, bool* closed) {

@@ -54,9 +54,9 @@ class ShmChannel {
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
-  // Whether `request` and the largest answer it can get fit the channel's areas (else send it
-  // over gRPC).
-  bool Fits(const v1::ScoreRequest& request) const;
+  // Whether `request` and the largest answer it can get fit the areas of a channel opened with
+  // `options` (else send it over gRPC).
+  static bool Fits(const ShmChannelOptions& options, const v1::ScoreRequest& request);
 
   // Posts `request` and waits until `deadline` for its answer: the response, or the request's own
   // error as the server reported it. *broken is set when the channel can no longer be used (the

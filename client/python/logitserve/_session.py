@@ -255,7 +255,42 @@ class Deadlines:
             thread.join()
 
 
-class SessionPool:
+class IdlePool:
+    """Calls kept open between Score calls (session streams, shared-memory channels): at most
+    `size` idle, one taken per concurrent caller, each with its own close(); and the deadline
+    watchdog of the pool's calls. Thread-safe; subclasses take from self._idle under self._lock."""
+
+    def __init__(self, size):
+        self._size = int(size)
+        self._lock = threading.Lock()
+        self._idle = []
+        self._closed = False
+        self._deadlines = Deadlines()  # its thread starts with the first deadline
+
+    def _put_back(self, item):
+        with self._lock:
+            if not self._closed and len(self._idle) < self._size:
+                self._idle.append(item)
+                return
+        item.close()
+
+    def idle(self):
+        """How many are kept open now (for tests)."""
+        with self._lock:
+            return len(self._idle)
+
+    def close(self):
+        """Closes every idle one (its close() says how); one in use is closed when its call
+        returns."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for item in idle:
+            item.close()
+        self._deadlines.close()
+
+
+class SessionPool(IdlePool):
     """The idle session streams of one Client (at most `size` kept) and their watchdog.
 
     score(wire, timeout) answers one request (ScoreStreamRequest bytes) over an idle stream or a
@@ -266,13 +301,9 @@ class SessionPool:
     DeadlineExceeded. The answer's request_id is the request's own."""
 
     def __init__(self, channel, metadata, size):
+        super().__init__(size)
         self._channel = channel
         self._metadata = tuple(metadata)
-        self._size = int(size)
-        self._lock = threading.Lock()
-        self._idle = []
-        self._closed = False
-        self._deadlines = Deadlines()
         self.usable = supported(channel)
 
     def score(self, wire, timeout):
@@ -304,27 +335,6 @@ class SessionPool:
             raise error_for(answer.status_code, answer.status_message)
         return answer.response
 
-    def _put_back(self, stream):
-        with self._lock:
-            if not self._closed and len(self._idle) < self._size:
-                self._idle.append(stream)
-                return
-        stream.close()
-
-    def idle(self):
-        """How many streams are kept open now (for tests)."""
-        with self._lock:
-            return len(self._idle)
-
-    def close(self):
-        """Half-closes every idle stream and waits for the server to end each (cancelling one
-        that takes longer than CLOSE_GRACE_S); a stream in use is closed when its call returns."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for stream in idle:
-            stream.close()
-        self._deadlines.close()
 
 
 class AioSessionPool:

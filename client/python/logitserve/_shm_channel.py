@@ -45,14 +45,13 @@ import os
 import platform
 import secrets
 import sys
-import threading
 import time
 
 import grpc
 
 from . import _pb, _session, _wire
 from ._errors import DeadlineExceeded, error_for
-from ._session import DEADLINE_DETAILS, Deadlines, _cygrpc
+from ._session import DEADLINE_DETAILS, _cygrpc
 
 try:  # CPython's own shm_open / shm_unlink (multiprocessing.shared_memory's, minus its tracker)
     import _posixshmem
@@ -408,7 +407,7 @@ def response_bytes_bound(wire):
     return bound
 
 
-class ChannelPool:
+class ChannelPool(_session.IdlePool):
     """The idle channels of one Client (at most `size` kept, one per concurrent caller).
 
     score(request, timeout) answers one request without tensor bytes (a WireRequest) over an idle
@@ -420,15 +419,11 @@ class ChannelPool:
     raises DeadlineExceeded (its channel is discarded)."""
 
     def __init__(self, channel, metadata, size, spin_us=0):
+        super().__init__(size)  # its deadline watchdog bounds the opens
         self._channel = channel
         self._metadata = tuple(metadata)
-        self._size = int(size)
         self._spin_s = max(0, spin_us) / 1e6
-        self._lock = threading.Lock()
-        self._idle = []
         self._pid = os.getpid()
-        self._closed = False
-        self._deadlines = Deadlines()  # bounds the opens (its thread starts with the first)
         self.usable = supported() and _session.supported(channel)
 
     def score(self, request, timeout):
@@ -482,24 +477,3 @@ class ChannelPool:
         self._put_back(channel)
         return response
 
-    def _put_back(self, channel):
-        with self._lock:
-            if not self._closed and len(self._idle) < self._size:
-                self._idle.append(channel)
-                return
-        channel.close()
-
-    def idle(self):
-        """How many channels are kept open now (for tests)."""
-        with self._lock:
-            return len(self._idle)
-
-    def close(self):
-        """Closes every idle channel (cancels its call: the server closes its side); a channel in
-        use is closed when its call returns."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for channel in idle:
-            channel.close()
-        self._deadlines.close()
