@@ -215,13 +215,13 @@ void ShmChannel::Run(Serve serve, std::chrono::microseconds spin,
       WriteAnswer(seq, bad, nullptr);
       answered_.store(seq);
     } else {
-      // Past this point the client's deadline (timeout_us from now) and its cancel word rule.
-      const bool has_deadline = timeout_us > 0;
+      // Past this point the client's deadline (timeout_us from now; 0 = none) and its cancel
+      // word rule.
       const Clock::time_point deadline =
-          has_deadline
+          timeout_us > 0
               ? start + std::chrono::microseconds(std::min<uint64_t>(timeout_us, uint64_t{1} << 40))
               : Clock::time_point::max();
-      auto stop = [this, seq, has_deadline, deadline]() -> absl::Status {
+      auto stop = [this, seq, deadline]() -> absl::Status {
         if (stopping_.load(std::memory_order_relaxed)) {
           return absl::CancelledError("the shared-memory channel is closing");
         }
@@ -229,7 +229,7 @@ void ShmChannel::Run(Serve serve, std::chrono::microseconds spin,
             seq) {
           return absl::CancelledError("the call was cancelled");
         }
-        if (has_deadline && Clock::now() > deadline) {
+        if (Clock::now() > deadline) {
           return absl::DeadlineExceededError(
               "the call's deadline expired before its result was ready");
         }
