@@ -43,33 +43,27 @@ __device__ __forceinline__ bool QuadAny(bool b, unsigned mask) {
 // j, element e: column 8 j + 2 (lane % 4) + e of the subtile.
 __device__ __forceinline__ constexpr int Reg(int h, int j, int e) { return 4 * j + 2 * h + e; }
 
-// The live (unmasked) tokens of row half h around sh, bit 2 j + e: z - sh > -inf. A token is
-// masked when z == -inf or its shift overflows (z = -3e38 below a maximum of +3e38).
-__device__ __forceinline__ uint32_t LiveMask(const float (&z)[64], int h, float sh) {
-  uint32_t live = 0;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (z[Reg(h, j, e)] - sh > NegInfF()) live |= 1u << (2 * j + e);
-    }
-  }
-  return live;
-}
+// Masking. The sums run over d = z - sh, and assume no token is masked: every shift is finite
+// (the maximum is finite and no value is NaN, or the record returned early), so d is never NaN.
+// A masked token (d = -inf: z = -inf, or a shift that overflows, z = -3e38 below a maximum of
+// +3e38) then makes w or a cross term NaN (0 * -inf), and the quad recomputes its row half with
+// the masking rules (MaskedSums): d = max(z - sh, -FLT_MAX), so a masked token's d becomes
+// finite, its exp 0, and it adds 0 to s, 0 * d to w and 0 to the cross terms unless the other
+// side supports the token, when that direction's mismatch flag makes its KL +inf whatever the
+// term holds. Every finite d is >= -FLT_MAX, so live tokens keep their unclamped shifts in both
+// passes (both give the same bits when nothing is masked): a deep but finite logit is underflow,
+// not masking (its exp is 0 all the same; the cross terms need the true difference). These are
+// PairItem's statistics: its clamp at -200 changes no bit of s and w of a live token (the exp of
+// any shift below -104 is 0 in fp32).
+//
+// Why the masked pass is a separate, out-of-line function of copied values: inlined beside the
+// fast pass (first as a second trip of one loop), the compiler hoisted its loop-invariant live-
+// token masks out of the rare branch into every subtile, 64 compares, selects and adds a row
+// half, and kept the 64 shifted values live for them (Nsight Compute, H200, H 1024: 2,700
+// issued instructions a warp per subtile in the epilogue, ~350 of them those masks).
+constexpr float kMaskedFloor = -FLT_MAX;
 
-// Masking. The sums run over d = max(z - sh, floor). The first pass takes floor = -inf (d as it
-// is) and assumes no token is masked; a masked token (d = -inf) then makes a sum NaN (0 * -inf),
-// and the quad runs a second pass with floor = -FLT_MAX: a masked token's d becomes finite, its
-// exp 0, so it adds 0 to s, 0 * d to w and 0 to the cross terms unless the other side supports
-// the token, when that direction's mismatch flag makes its KL +inf whatever the term holds. Every
-// finite d is >= -FLT_MAX, so live tokens keep their unclamped shifts in both passes: a deep but
-// finite logit is underflow, not masking (its exp is 0 all the same; the cross terms need the
-// true difference). These are PairItem's statistics: its clamp at -200 changes no bit of s and w
-// of a live token (the exp of any shift below -104 is 0 in fp32). One loop body serves both
-// passes: two copies of it left the pair form short of registers.
-constexpr float kSecondPassFloor = -FLT_MAX;
-
-// The sums of one distribution's row half h around sh: s = sum exp(d), w = sum exp(d) d. The
+// The sums of one distribution's row half around sh: s = sum exp(d), w = sum exp(d) d. The
 // single form and the model side of the pair form run these operations in this order.
 struct Sums {
   float s = 0.0f, w = 0.0f;
@@ -79,36 +73,102 @@ struct Sums {
   }
 };
 
-// The record of one distribution over the thread's row half h of the subtile (the single form).
-__device__ __forceinline__ BlockStats SingleRecord(const float (&z)[64], int h) {
-  float m = z[Reg(h, 0, 0)];
+// The 32 values of row half h, in (j, e) order: what the masked pass gets (a local copy: its
+// address never reaches the accumulators, which stay in registers).
+__device__ __forceinline__ void CopyRowHalf(const float (&z)[64], int h, float (&v)[32]) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) m = MaxNaN(m, z[Reg(h, j, e)]);
+    for (int e = 0; e < 2; ++e) v[2 * j + e] = z[Reg(h, j, e)];
   }
-  m = QuadMax(m);
+}
+
+// Maximum (NaN-propagating) of row half h over the quad: four independent chains of the
+// thread's 32 values (the maximum is exact, so the order cannot change it), then the quad.
+__device__ __forceinline__ float RowHalfMax(const float (&z)[64], int h) {
+  float m[4] = {z[Reg(h, 0, 0)], z[Reg(h, 0, 1)], z[Reg(h, 1, 0)], z[Reg(h, 1, 1)]};
+#pragma unroll
+  for (int j = 2; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) m[2 * (j & 1) + e] = MaxNaN(m[2 * (j & 1) + e], z[Reg(h, j, e)]);
+  }
+  return QuadMax(MaxNaN(MaxNaN(m[0], m[1]), MaxNaN(m[2], m[3])));
+}
+
+// The masked pass of one distribution (see above), quad-reduced.
+static __device__ __noinline__ Sums MaskedSums(const float* v, float sh, unsigned quad) {
+  Sums a;
+  for (int i = 0; i < 32; ++i) {
+    const float d = fmaxf(v[i] - sh, kMaskedFloor);
+    a.Add(d, ExpShift(d));
+  }
+  a.s = QuadSum(a.s, quad);
+  a.w = QuadSum(a.w, quad);
+  return a;
+}
+
+// The masked pass of a pair, quad-reduced: both sides' sums (the a side's operations are
+// MaskedSums'), the cross terms, and the support-mismatch flags.
+struct PairSums {
+  Sums a, b;
+  float cab = 0.0f, cba = 0.0f;
+  uint32_t flags = 0;
+};
+static __device__ __noinline__ PairSums MaskedPairSums(const float* va, const float* vb, float sha,
+                                                       float shb, unsigned quad) {
+  PairSums p;
+  bool a_only = false, b_only = false;
+  for (int i = 0; i < 32; ++i) {
+    const float da = fmaxf(va[i] - sha, kMaskedFloor);
+    const float db = fmaxf(vb[i] - shb, kMaskedFloor);
+    const float ea = ExpShift(da);
+    const float eb = ExpShift(db);
+    const float diff = da - db;
+    p.a.Add(da, ea);
+    p.b.Add(db, eb);
+    p.cab = fmaf(ea, diff, p.cab);
+    p.cba = fmaf(-eb, diff, p.cba);
+    const bool live_a = va[i] - sha > NegInfF();
+    const bool live_b = vb[i] - shb > NegInfF();
+    a_only |= live_a && !live_b;
+    b_only |= live_b && !live_a;
+  }
+  p.a.s = QuadSum(p.a.s, quad);
+  p.a.w = QuadSum(p.a.w, quad);
+  p.b.s = QuadSum(p.b.s, quad);
+  p.b.w = QuadSum(p.b.w, quad);
+  p.cab = QuadSum(p.cab, quad);
+  p.cba = QuadSum(p.cba, quad);
+  if (QuadAny(a_only, quad)) p.flags |= kFlagASupportsBMasked;
+  if (QuadAny(b_only, quad)) p.flags |= kFlagBSupportsAMasked;
+  return p;
+}
+
+// The record of one distribution over the thread's row half h of the subtile (the single form).
+__device__ __forceinline__ BlockStats SingleRecord(const float (&z)[64], int h) {
+  const float m = RowHalfMax(z, h);
   BlockStats out = EmptyBlockStats();
   out.flags = detail::BadFlags(m);
   if (out.flags != 0 || m == NegInfF()) return out;  // uniform over the quad
   const unsigned quad = QuadMask();
   const float sh = m + 0.0f;  // -0 -> +0 (a GEMM's zero sign depends on its parts)
-  float floor = NegInfF();
-#pragma unroll 1
-  for (int pass = 0; pass < 2; ++pass) {
-    Sums a;
+  Sums a;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < 16; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float d = fmaxf(z[Reg(h, j, e)] - sh, floor);
-        a.Add(d, ExpShift(d));
-      }
+    for (int e = 0; e < 2; ++e) {
+      const float d = z[Reg(h, j, e)] - sh;
+      a.Add(d, ExpShift(d));
     }
-    out.s = QuadSum(a.s, quad);
-    out.w = QuadSum(a.w, quad);
-    if (!isnan(out.w)) break;  // uniform over the quad
-    floor = kSecondPassFloor;
+  }
+  out.s = QuadSum(a.s, quad);
+  out.w = QuadSum(a.w, quad);
+  if (isnan(out.w)) {  // a masked token (uniform over the quad)
+    float v[32];
+    CopyRowHalf(z, h, v);
+    const Sums masked = MaskedSums(v, sh, quad);
+    out.s = masked.s;
+    out.w = masked.w;
   }
   out.m = sh;
   return out;
@@ -119,17 +179,8 @@ __device__ __forceinline__ BlockStats SingleRecord(const float (&z)[64], int h) 
 // c_ab = sum exp(da) (da - db), c_ba = -sum exp(db) (da - db) ride along.
 __device__ __forceinline__ PairBlockStats PairRecord(const float (&za)[64], const float (&zb)[64],
                                                      int h) {
-  float ma = za[Reg(h, 0, 0)], mb = zb[Reg(h, 0, 0)];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      ma = MaxNaN(ma, za[Reg(h, j, e)]);
-      mb = MaxNaN(mb, zb[Reg(h, j, e)]);
-    }
-  }
-  ma = QuadMax(ma);
-  mb = QuadMax(mb);
+  const float ma = RowHalfMax(za, h);
+  const float mb = RowHalfMax(zb, h);
   PairBlockStats out{EmptyBlockStats(), EmptyBlockStats(), 0.0f, 0.0f};
   out.a.flags = detail::BadFlags(ma);
   out.b.flags = detail::BadFlags(mb);
@@ -139,53 +190,46 @@ __device__ __forceinline__ PairBlockStats PairRecord(const float (&za)[64], cons
   // A fully masked side shifts by 0: all of its tokens are masked.
   const float sha = (ma == ninf ? 0.0f : ma) + 0.0f;
   const float shb = (mb == ninf ? 0.0f : mb) + 0.0f;
-  float floor = ninf;
-  Sums a, b;
-  float cab = 0.0f, cba = 0.0f;
-#pragma unroll 1
-  for (int pass = 0; pass < 2; ++pass) {
-    a = Sums{};
-    b = Sums{};
-    cab = 0.0f;
-    cba = 0.0f;
+  PairSums p;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < 16; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float da = fmaxf(za[Reg(h, j, e)] - sha, floor);
-        const float db = fmaxf(zb[Reg(h, j, e)] - shb, floor);
-        const float ea = ExpShift(da);
-        const float eb = ExpShift(db);
-        const float diff = da - db;
-        a.Add(da, ea);
-        b.Add(db, eb);
-        cab = fmaf(ea, diff, cab);
-        cba = fmaf(-eb, diff, cba);
-      }
+    for (int e = 0; e < 2; ++e) {
+      const float da = za[Reg(h, j, e)] - sha;
+      const float db = zb[Reg(h, j, e)] - shb;
+      const float ea = ExpShift(da);
+      const float eb = ExpShift(db);
+      const float diff = da - db;
+      p.a.Add(da, ea);
+      p.b.Add(db, eb);
+      p.cab = fmaf(ea, diff, p.cab);
+      p.cba = fmaf(-eb, diff, p.cba);
     }
-    a.s = QuadSum(a.s, quad);
-    a.w = QuadSum(a.w, quad);
-    b.s = QuadSum(b.s, quad);
-    b.w = QuadSum(b.w, quad);
-    cab = QuadSum(cab, quad);
-    cba = QuadSum(cba, quad);
-    if (!isnan(a.w) && !isnan(b.w) && !isnan(cab) && !isnan(cba)) break;  // uniform over quad
-    floor = kSecondPassFloor;
-    const uint32_t live_a = LiveMask(za, h, sha), live_b = LiveMask(zb, h, shb);
-    if (QuadAny((live_a & ~live_b) != 0, quad)) out.a.flags |= kFlagASupportsBMasked;
-    if (QuadAny((live_b & ~live_a) != 0, quad)) out.a.flags |= kFlagBSupportsAMasked;
+  }
+  p.a.s = QuadSum(p.a.s, quad);
+  p.a.w = QuadSum(p.a.w, quad);
+  p.b.s = QuadSum(p.b.s, quad);
+  p.b.w = QuadSum(p.b.w, quad);
+  p.cab = QuadSum(p.cab, quad);
+  p.cba = QuadSum(p.cba, quad);
+  if (isnan(p.a.w) || isnan(p.b.w) || isnan(p.cab) || isnan(p.cba)) {  // uniform over the quad
+    float va[32], vb[32];
+    CopyRowHalf(za, h, va);
+    CopyRowHalf(zb, h, vb);
+    p = MaskedPairSums(va, vb, sha, shb, quad);
+    out.a.flags |= p.flags;
   }
   if (ma != ninf) {
     out.a.m = sha;
-    out.a.s = a.s;
-    out.a.w = a.w;
-    out.c_ab = cab;
+    out.a.s = p.a.s;
+    out.a.w = p.a.w;
+    out.c_ab = p.cab;
   }
   if (mb != ninf) {
     out.b.m = shb;
-    out.b.s = b.s;
-    out.b.w = b.w;
-    out.c_ba = cba;
+    out.b.s = p.b.s;
+    out.b.w = p.b.w;
+    out.c_ba = p.cba;
   }
   return out;
 }
