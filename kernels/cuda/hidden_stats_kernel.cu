@@ -18,9 +18,15 @@
 // weight tile into every CTA of the cluster that needs it, so L2 delivers each byte once per
 // cluster. The producer also prefetches into L2 the tiles kPrefetchSteps steps ahead.
 //
-// Speed (H200, docs/PERFORMANCE.md): correct but slower than cuBLASLt tiles + the statistics
-// kernel today, bound by L2 bandwidth (ncu: L2 98 %): a pair tile pulls 64 KB of operands per 4.2
-// MFLOP. CudaBackend uses it only when asked (CudaBackendOptions::hidden_fused).
+// Speed (H200, docs/PERFORMANCE.md): CudaBackend's default for heads of H <= 1024
+// (CudaBackendOptions::hidden_fused_max_hidden), where it beats cuBLASLt tiles + the statistics
+// kernel; at larger H the tiles win. Nsight Compute at H 1024: the tensor pipe is busy about half
+// the time; the consumers spend ~38 % of their time in the epilogue (which does not overlap the
+// MMAs: no registers are left for a second accumulator set) and ~20 % of the main loop waiting
+// for operand stages (three 64 KB stages, of which the consumers hold two). At H 4096 a pair
+// tile pulls 64 KB of operands per 4.2 MFLOP and the kernel is bound by L2 bandwidth (ncu: L2
+// 98 %). Measured slower and dropped: 32-value stages x 6 (64-byte swizzle; H 1024 10.2 -> 12.9
+// ms) and an L2 prefetch that runs across subtiles and items (10.2 -> 12.1 ms).
 //
 // Semantics. A subtile's record is exactly what PairItem / SingleItem (block_items.cuh) compute
 // for a block, over the subtile's 128 columns: NaN / +inf flags from a NaN-propagating maximum,
