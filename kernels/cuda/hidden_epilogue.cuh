@@ -71,6 +71,34 @@ struct Sums {
     s += x;
     w = fmaf(x, d, w);
   }
+  __device__ __forceinline__ void QuadReduce(unsigned quad) {
+    s = QuadSum(s, quad);
+    w = QuadSum(w, quad);
+  }
+};
+
+// The sums of a pair (a = model, b = reference) around their shifts: each side's Sums, in
+// SingleRecord's order for the a side, and the cross terms c_ab = sum exp(da) (da - db),
+// c_ba = -sum exp(db) (da - db).
+struct PairSums {
+  Sums a, b;
+  float cab = 0.0f, cba = 0.0f;
+  uint32_t flags = 0;  // support-mismatch flags (set by the masked pass only)
+  __device__ __forceinline__ void Add(float da, float db) {
+    const float ea = ExpShift(da);
+    const float eb = ExpShift(db);
+    const float diff = da - db;
+    a.Add(da, ea);
+    b.Add(db, eb);
+    cab = fmaf(ea, diff, cab);
+    cba = fmaf(-eb, diff, cba);
+  }
+  __device__ __forceinline__ void QuadReduce(unsigned quad) {
+    a.QuadReduce(quad);
+    b.QuadReduce(quad);
+    cab = QuadSum(cab, quad);
+    cba = QuadSum(cba, quad);
+  }
 };
 
 // The 32 values of row half h, in (j, e) order: what the masked pass gets (a local copy: its
@@ -102,43 +130,24 @@ static __device__ __noinline__ Sums MaskedSums(const float* v, float sh, unsigne
     const float d = fmaxf(v[i] - sh, kMaskedFloor);
     a.Add(d, ExpShift(d));
   }
-  a.s = QuadSum(a.s, quad);
-  a.w = QuadSum(a.w, quad);
+  a.QuadReduce(quad);
   return a;
 }
 
 // The masked pass of a pair, quad-reduced: both sides' sums (the a side's operations are
 // MaskedSums'), the cross terms, and the support-mismatch flags.
-struct PairSums {
-  Sums a, b;
-  float cab = 0.0f, cba = 0.0f;
-  uint32_t flags = 0;
-};
 static __device__ __noinline__ PairSums MaskedPairSums(const float* va, const float* vb, float sha,
                                                        float shb, unsigned quad) {
   PairSums p;
   bool a_only = false, b_only = false;
   for (int i = 0; i < 32; ++i) {
-    const float da = fmaxf(va[i] - sha, kMaskedFloor);
-    const float db = fmaxf(vb[i] - shb, kMaskedFloor);
-    const float ea = ExpShift(da);
-    const float eb = ExpShift(db);
-    const float diff = da - db;
-    p.a.Add(da, ea);
-    p.b.Add(db, eb);
-    p.cab = fmaf(ea, diff, p.cab);
-    p.cba = fmaf(-eb, diff, p.cba);
+    p.Add(fmaxf(va[i] - sha, kMaskedFloor), fmaxf(vb[i] - shb, kMaskedFloor));
     const bool live_a = va[i] - sha > NegInfF();
     const bool live_b = vb[i] - shb > NegInfF();
     a_only |= live_a && !live_b;
     b_only |= live_b && !live_a;
   }
-  p.a.s = QuadSum(p.a.s, quad);
-  p.a.w = QuadSum(p.a.w, quad);
-  p.b.s = QuadSum(p.b.s, quad);
-  p.b.w = QuadSum(p.b.w, quad);
-  p.cab = QuadSum(p.cab, quad);
-  p.cba = QuadSum(p.cba, quad);
+  p.QuadReduce(quad);
   if (QuadAny(a_only, quad)) p.flags |= kFlagASupportsBMasked;
   if (QuadAny(b_only, quad)) p.flags |= kFlagBSupportsAMasked;
   return p;
@@ -161,16 +170,15 @@ __device__ __forceinline__ BlockStats SingleRecord(const float (&z)[64], int h) 
       a.Add(d, ExpShift(d));
     }
   }
-  out.s = QuadSum(a.s, quad);
-  out.w = QuadSum(a.w, quad);
-  if (isnan(out.w)) {  // a masked token (uniform over the quad)
+  a.QuadReduce(quad);
+  if (isnan(a.w)) {  // a masked token (uniform over the quad)
     float v[32];
     CopyRowHalf(z, h, v);
-    const Sums masked = MaskedSums(v, sh, quad);
-    out.s = masked.s;
-    out.w = masked.w;
+    a = MaskedSums(v, sh, quad);
   }
   out.m = sh;
+  out.s = a.s;
+  out.w = a.w;
   return out;
 }
 
@@ -195,23 +203,10 @@ __device__ __forceinline__ PairBlockStats PairRecord(const float (&za)[64], cons
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float da = za[Reg(h, j, e)] - sha;
-      const float db = zb[Reg(h, j, e)] - shb;
-      const float ea = ExpShift(da);
-      const float eb = ExpShift(db);
-      const float diff = da - db;
-      p.a.Add(da, ea);
-      p.b.Add(db, eb);
-      p.cab = fmaf(ea, diff, p.cab);
-      p.cba = fmaf(-eb, diff, p.cba);
+      p.Add(za[Reg(h, j, e)] - sha, zb[Reg(h, j, e)] - shb);
     }
   }
-  p.a.s = QuadSum(p.a.s, quad);
-  p.a.w = QuadSum(p.a.w, quad);
-  p.b.s = QuadSum(p.b.s, quad);
-  p.b.w = QuadSum(p.b.w, quad);
-  p.cab = QuadSum(p.cab, quad);
-  p.cba = QuadSum(p.cba, quad);
+  p.QuadReduce(quad);
   if (isnan(p.a.w) || isnan(p.b.w) || isnan(p.cab) || isnan(p.cba)) {  // uniform over the quad
     float va[32], vb[32];
     CopyRowHalf(za, h, va);
