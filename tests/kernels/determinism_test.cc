@@ -94,6 +94,35 @@ TEST(Determinism, LogitsRowBitsIndependentOfBatchPositionAndShards) {
   }
 }
 
+// A JSD job without top-k: the same bits on every shard layout. (On the CUDA backend one shard
+// takes the one-kernel JSD pass, CudaBackendOptions::jsd_fused, and several shards the two-pass
+// one: this compares the two paths.) Rows with masked tokens and rows of the other's support.
+TEST(Determinism, JsdBitsIndependentOfShards) {
+  const int64_t n = 70, v = 32000;
+  std::mt19937_64 rng(31);
+  std::vector<float> m = RandomNormal(rng, n * v, 3.0);
+  std::vector<float> r = RandomNormal(rng, n * v, 3.0);
+  MaskRandomTokens(rng, m, v, 3, 0.1);
+  MaskRandomTokens(rng, r, v, 40, 0.3);
+  OwnedJob j;
+  j.SetModelLogits(Share(Encode(FloatType::kBFloat16, n, v, m)))
+      .SetReferenceLogits(Share(Encode(FloatType::kBFloat16, n, v, r)))
+      .WithEntropy()
+      .WithForwardKl()
+      .WithJsd(0.3f);
+  std::unique_ptr<Backend> first = MustCreate(TestBackends()[0]);
+  ASSERT_NE(first, nullptr);
+  LOGITSERVE_ASSERT_SCORE(baseline, *first, j.job);
+  ExpectMatchesReference(j.job, baseline);
+  for (const BackendFactory& f : TestBackends()) {
+    SCOPED_TRACE(f.name);
+    std::unique_ptr<Backend> b = MustCreate(f);
+    ASSERT_NE(b, nullptr);
+    LOGITSERVE_ASSERT_SCORE(got, *b, j.job);
+    ExpectBitwiseEqual(got, baseline);
+  }
+}
+
 // The same values delivered as fp32, bf16 or fp16 give the same bits: values k/16, |k| <= 255,
 // are exact in all three (8 significant bits, within fp16's range), and so is -inf.
 TEST(Determinism, SameBitsForFp32Bf16Fp16Inputs) {
