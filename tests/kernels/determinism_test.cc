@@ -94,9 +94,9 @@ TEST(Determinism, LogitsRowBitsIndependentOfBatchPositionAndShards) {
   }
 }
 
-// A JSD job without top-k: the same bits on every shard layout. (On the CUDA backend one shard
-// takes the one-kernel JSD pass, CudaBackendOptions::jsd_fused, and several shards the two-pass
-// one: this compares the two paths.) Rows with masked tokens and rows of the other's support.
+// A JSD job without top-k: the same bits on every shard layout (the case a one-rank JSD path of
+// its own would take, as branch jsd-fused's one-kernel pass did; this test compared it with the
+// two-pass one there). Rows with masked tokens and rows of the other's support.
 TEST(Determinism, JsdBitsIndependentOfShards) {
   const int64_t n = 70, v = 32000;
   std::mt19937_64 rng(31);
