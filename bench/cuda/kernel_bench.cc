@@ -257,9 +257,9 @@ int main(int argc, char** argv) {
                  "the pipeline's, 512)")
       ->delimiter(',');
   app.add_option("--hidden-configs", hidden_configs,
-                 "hidden mode: also run the 1-GPU Score with these ROWS:CHUNKS[:serial] "
+                 "hidden mode: also run the 1-GPU Score with these ROWS:CHUNKS[:serial][:2s] "
                  "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
-                 "overlap_hidden_gemms off)")
+                 "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -611,8 +611,9 @@ int main(int argc, char** argv) {
     ScoreResult first_result;  // the default run's, to compare the other paths with
     auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
                            bool overlap = true, int stats_chunks = 0, int64_t row_tile = 0,
-                           Fused fused = Fused{}) -> double {
+                           Fused fused = Fused{}, int gemm_streams = 0) -> double {
       logitserve::CudaBackendOptions options;
+      if (gemm_streams > 0) options.hidden_gemm_streams = gemm_streams;
       options.devices = devs;
       options.overlap_hidden_gemms = overlap;
       if (stats_chunks > 0) options.hidden_stats_chunks = stats_chunks;
@@ -791,19 +792,32 @@ int main(int argc, char** argv) {
     }
 
     for (const std::string& config : hidden_configs) {
-      // ROWS:CHUNKS[:serial]
+      // ROWS:CHUNKS[:serial][:2s]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
       int64_t row_tile = 0;
       int chunks = 0;
-      if (f.size() < 2 || !absl::SimpleAtoi(f[0], &row_tile) || !absl::SimpleAtoi(f[1], &chunks) ||
-          (f.size() == 3 && f[2] != "serial") || f.size() > 3) {
+      bool serial = false, bad = f.size() < 2 || f.size() > 4 ||
+                                 !absl::SimpleAtoi(f[0], &row_tile) ||
+                                 !absl::SimpleAtoi(f[1], &chunks);
+      int streams = 1;  // ":2s" for two
+      for (size_t i = 2; i < f.size(); ++i) {
+        if (f[i] == "serial") {
+          serial = true;
+        } else if (f[i] == "2s") {
+          streams = 2;
+        } else {
+          bad = true;
+        }
+      }
+      if (bad) {
         std::fprintf(stderr, "--hidden-configs: bad entry '%s'\n", config.c_str());
         return 1;
       }
-      const bool serial = f.size() == 3;
       const std::string label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
-                                (serial ? ", GEMMs on the statistics stream" : "");
-      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles_only);
+                                (serial ? ", GEMMs on the statistics stream" : "") +
+                                (streams == 2 ? ", two GEMM streams" : "");
+      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles_only,
+                  streams);
     }
     if (!hidden_configs.empty()) {
       run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false, 0, 0,

@@ -773,10 +773,13 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // Hidden states in pageable host memory (staged through pinned buffers), in pinned host memory
 // and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
 // (the GEMMs fill two alternating logits tiles on their own stream without one, keep every chunk
-// of the row tile with one). V = 20000: three GEMM chunks per row tile, so a tile reuses a logits
-// slot; N = 1100: three row tiles, so slots and pinned buffers are reused across tiles.
+// of the row tile with one), also with both distributions' GEMMs on one stream
+// (hidden_gemm_streams 1; by default the reference's have their own). V = 20000: three
+// GEMM chunks per row tile, so a tile reuses a logits slot; N = 2100: three row tiles of 1024
+// (the last short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
-  constexpr int64_t kVocab = 20000, kH = 96, kN = 1100;
+  constexpr int64_t kVocab = 20000, kH = 96, kN = 2100;
+  static_assert(kN > 2 * kCudaRowTile && kN < 3 * kCudaRowTile);
   std::mt19937_64 rng(47);
   const auto model_w = RandomHead(rng, kVocab, kH, FloatType::kBFloat16, 3.0 / std::sqrt(96.0),
                                   true, HeadTransform{});
@@ -787,6 +790,13 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   const std::vector<int32_t> ids = RandomTargets(rng, kN, 2, kVocab, -100, 0.2);
   const size_t bytes = hm.bytes.size();
   std::vector<BackendFactory> layouts = {CudaDevicesFactory("one_gpu", {0})};
+  layouts.push_back(BackendFactory{"one_gpu_one_gemm_stream", [] {
+                                     CudaBackendOptions o;
+                                     o.hidden_fused_max_hidden = 0;
+                                     o.devices = {0};
+                                     o.hidden_gemm_streams = 1;
+                                     return CreateCudaBackend(o);
+                                   }});
   if (VisibleCudaDevices() >= 2) layouts.push_back(CudaDevicesFactory("two_gpus", {0, 1}));
   void* pinned_m = nullptr;
   void* pinned_r = nullptr;
@@ -827,7 +837,7 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
       LOGITSERVE_ASSERT_SCORE(pageable, *b, j.job);
       if (baseline == nullptr) {
         // Rows on either side of the tile boundaries against the fp64 reference.
-        for (int64_t r : {int64_t{0}, int64_t{511}, int64_t{512}, int64_t{1023}, kN - 1}) {
+        for (int64_t r : {int64_t{0}, kCudaRowTile - 1, kCudaRowTile, 2 * kCudaRowTile, kN - 1}) {
           SCOPED_TRACE("row " + std::to_string(r));
           ScoreJob row = j.job;
           row.rows = 1;
@@ -1084,6 +1094,9 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
   CudaBackendOptions twice;
   twice.devices = {0, 0};
   EXPECT_EQ(CreateCudaBackend(twice).status().code(), absl::StatusCode::kInvalidArgument);
+  CudaBackendOptions streams;
+  streams.hidden_gemm_streams = 3;
+  EXPECT_EQ(CreateCudaBackend(streams).status().code(), absl::StatusCode::kInvalidArgument);
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->name(), "cuda");

@@ -260,6 +260,8 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   }
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());
   p.overlap_gemms = options_.overlap_hidden_gemms;
+  p.two_gemm_streams = p.overlap_gemms && options_.hidden_gemm_streams == 2 && p.pair &&
+                       job.model.hidden_mode() && job.reference.hidden_mode();
   int64_t widest = 0;
   for (const ShardRange& s : p.layout) widest = std::max(widest, s.end - s.begin);
   p.chunk_cols = p.any_hidden ? SlotGemmShape().ld : std::max<int64_t>(widest, 1);
@@ -302,6 +304,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     p.fused_logits = job.top_k > 0 || p.jsd_pass;
     p.fused_cluster = fused_cluster_;
     p.overlap_gemms = false;
+    p.two_gemm_streams = false;
     // One chunk: the widest shard (the logits slots, when kept, and the top-k / JSD sources).
     p.chunk_cols = RoundUp(std::max<int64_t>(widest, 1), 8);
     p.tile_rows = FusedTileRows(job, p.fused_logits, p.chunk_cols);
@@ -562,6 +565,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   if (options.hidden_stats_chunks < 1 || options.hidden_stats_chunks > 64) {
     return absl::InvalidArgumentError("hidden_stats_chunks must be in [1, 64]");
   }
+  if (options.hidden_gemm_streams != 1 && options.hidden_gemm_streams != 2) {
+    return absl::InvalidArgumentError("hidden_gemm_streams must be 1 or 2");
+  }
   if (options.collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("collective_timeout must be > 0");
   }
@@ -613,6 +619,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     // The statistics stream first: its short kernels take SMs as GEMM blocks retire.
     LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, greatest_priority));
     LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream.Create(rank->device));
+    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream_b.Create(rank->device));
     for (CudaStream& s : rank->stats_streams) {
       LOGITSERVE_RETURN_IF_ERROR(s.Create(rank->device, least_priority));
     }
@@ -626,17 +633,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     for (CudaEvent& e : rank->side_idle) {
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
-    for (auto* events : {&rank->slot_filled, &rank->slot_free}) {
+    for (auto* events : {&rank->slot_filled, &rank->slot_free, &rank->slot_filled_b}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
       }
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->slots_released.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle.Create(rank->device));
+    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle_b.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->uploaded.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->lt.Create());
     if (auto s = rank->cublas_workspace.Reserve(rank->device, kCublasWorkspaceBytes); !s.ok()) {
       return s;
+    }
+    if (options.hidden_gemm_streams == 2) {
+      LOGITSERVE_RETURN_IF_ERROR(
+          rank->cublas_workspace_b.Reserve(rank->device, kCublasWorkspaceBytes));
     }
     for (CudaEvent& e : rank->tile_done) {
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));

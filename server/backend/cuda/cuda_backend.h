@@ -102,6 +102,13 @@ struct CudaBackendOptions {
   // workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512 with 4 chunks 33.4, 8: 34.5; row tile
   // 2048 with 1-2 chunks 33.2-33.5. Never changes a result (the statistics are per block).
   int hidden_stats_chunks = 2;
+  // Hidden mode with overlap_hidden_gemms, both distributions' hidden states: 2 = the reference
+  // distribution's GEMMs on a stream of their own, beside the policy's, so that each chunk's two
+  // GEMMs fill each other's last wave (one more 32 MiB cuBLASLt workspace per rank); 1 = both on
+  // one stream. H200, N 8192, V 151936 pair, three alternations (logitserve-kernel-bench
+  // --hidden-configs 1024:2,1024:2:2s): H 2048 18.65-18.84 ms against 19.20-19.81, H 4096
+  // 31.96-32.15 against 32.39-35.29. The same kernels read the same inputs: the bits do not change.
+  int hidden_gemm_streams = 2;
   // Hidden mode: rows of the tile GEMMs (the row tile); 0 = kCudaRowTile. Fixed per backend; a job
   // of fewer rows multiplies one of the short tiles of cuda_tile_gemm.h instead, the same pinned
   // algorithm (batch invariance: a row gets the same bits in either).

@@ -71,6 +71,9 @@ struct JobPlan {
   // Hidden mode: the GEMMs run on the rank's second stream, overlapping the statistics of the
   // previous chunk (CudaBackendOptions::overlap_hidden_gemms); else both on one stream.
   bool overlap_gemms = false;
+  // ... and the reference distribution's on the rank's gemm_stream_b
+  // (CudaBackendOptions::hidden_gemm_streams).
+  bool two_gemm_streams = false;
   int64_t tile_rows = 0;  // rows per tile (the last tile may hold fewer)
   // Vocabulary columns per statistics launch (hidden mode: the slot width, a whole number of GEMM
   // chunks, CudaBackendOptions::hidden_stats_chunks).

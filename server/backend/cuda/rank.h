@@ -81,6 +81,11 @@ struct Rank {
   CudaEvent slots_released;              // stream: JSD pass done with the tile's kept chunks
   CudaEvent gemm_idle;                   // joins gemm_stream into stream
   CudaEvent uploaded;                    // gemm_stream: the job's set-up copies are done
+  // CudaBackendOptions::hidden_gemm_streams = 2: the reference distribution's row-tile inputs
+  // and GEMMs on their own stream (beside the policy's), with their own events and workspace.
+  CudaStream gemm_stream_b;
+  std::array<CudaEvent, 2> slot_filled_b;
+  CudaEvent gemm_idle_b;
   // Logits mode's row-tile pipeline (RankWorker::ComputeTile): the statistics of tile t run on
   // stats_streams[t % 2] (low priority) into message slot t % 2 while `stream` runs the tail of
   // tile t - 1 (gather, top-k selection, all-gather, fold, JSD pass); copy_stream brings each
@@ -93,6 +98,7 @@ struct Rank {
   std::array<CudaEvent, 3> side_idle;     // joins stats_streams[0], [1] and copy_stream into stream
   LtHandle lt;
   DeviceBuffer cublas_workspace;
+  DeviceBuffer cublas_workspace_b;     // gemm_stream_b's (hidden_gemm_streams = 2 only)
   DeviceBuffer workspace;              // per-job scratch, grown on demand
   PinnedBuffer host_staging;           // hidden rows from pageable memory, two tiles per input
   PinnedBuffer host_io;                // target ids up, outputs down: asynchronous copies
@@ -108,6 +114,7 @@ struct Rank {
     DeviceGuard guard(device);
     workspace.Free();
     cublas_workspace.Free();
+    cublas_workspace_b.Free();
   }
 };
 
@@ -116,6 +123,7 @@ struct Rank {
 inline absl::Status JoinSideStreams(Rank& rank, bool with_copies) {
   const std::pair<cudaStream_t, cudaEvent_t> sides[] = {
       {rank.gemm_stream.get(), rank.gemm_idle.get()},
+      {rank.gemm_stream_b.get(), rank.gemm_idle_b.get()},
       {rank.stats_streams[0].get(), rank.side_idle[0].get()},
       {rank.stats_streams[1].get(), rank.side_idle[1].get()},
       {rank.copy_stream.get(), rank.side_idle[2].get()}};

@@ -261,7 +261,7 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   // tile's GEMMs (the only readers of raw and x_parts).
   const size_t parity = static_cast<size_t>((row0 / plan_.tile_rows) % 2);
   const size_t b = plan_.fused ? parity : 0;
-  const cudaStream_t on = plan_.fused ? logits_stream : gemm_stream();
+  const cudaStream_t on = plan_.fused ? logits_stream : GemmStreamOf(d);
   uint16_t* x_parts = d.x_parts + b * d.x_elems;
   if (!d.direct) {
     if (d.pinned[0] != nullptr) {
@@ -315,6 +315,8 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
       return absl::InternalError("the head's tile GEMM does not match the job's slot width");
     }
     if (compute) {
+      const cudaStream_t on = GemmStreamOf(d);
+      DeviceBuffer& workspace = OnStreamB(d) ? rank_.cublas_workspace_b : rank_.cublas_workspace;
       const size_t x_stride = static_cast<size_t>(plan_.tile_rows * head.k_pad);
       for (int64_t q = cc0; q < std::min(cc0 + plan_.chunk_cols, hs.padded_rows);
            q += kCudaVocabChunk) {
@@ -322,8 +324,8 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
           for (int i = 0; i < head.parts; ++i) {
             const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
             if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
-                                      /*accumulate=*/(i | j) != 0, rank_.cublas_workspace.data(),
-                                      gemm_stream(), plan_.tile_rows);
+                                      /*accumulate=*/(i | j) != 0, workspace.data(), on,
+                                      plan_.tile_rows);
                 !s.ok()) {
               return s;
             }
@@ -601,6 +603,9 @@ absl::Status RankWorker::EndTile(int64_t tile) {
     };
     if (!pipelined()) {
       LOGITSERVE_RETURN_IF_ERROR(join(rank_.gemm_stream, rank_.gemm_idle));
+      if (plan_.two_gemm_streams) {
+        LOGITSERVE_RETURN_IF_ERROR(join(rank_.gemm_stream_b, rank_.gemm_idle_b));
+      }
     }
     if (reports_ && num_tiles_ > 1) {
       LOGITSERVE_RETURN_IF_ERROR(join(rank_.copy_stream, rank_.side_idle[2]));

@@ -214,6 +214,11 @@ class RankWorker final : public ShardedRank {
   cudaStream_t gemm_stream() const {
     return plan_.overlap_gemms ? rank_.gemm_stream.get() : rank_.stream.get();
   }
+  // The stream of d's row-tile inputs and GEMMs, and its cuBLASLt workspace.
+  bool OnStreamB(const Dist& d) const { return plan_.two_gemm_streams && &d == &ref_; }
+  cudaStream_t GemmStreamOf(const Dist& d) const {
+    return OnStreamB(d) ? rank_.gemm_stream_b.get() : gemm_stream();
+  }
 
   Rank& rank_;
   const JobPlan& plan_;

@@ -1,7 +1,8 @@
 // RankWorker's hidden-mode tile computations (see rank_worker.h): the fused kernel's launch
 // (JobPlan::fused, one LaunchHiddenStats per pipelined row tile) and the cuBLASLt-tile path
 // (ComputeHiddenTile: GEMMs per vocabulary chunk into double-buffered slots on gemm_stream, the
-// statistics kernel reading them back on `stream`). A third file of rank_worker.cc's class.
+// reference's on gemm_stream_b beside them, the statistics kernel reading them back on `stream`).
+// A third file of rank_worker.cc's class.
 #include <cstring>
 
 #include "common/base/status_macros.h"
@@ -72,8 +73,13 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   auto record = [](const CudaEvent& e, cudaStream_t on) {
     return CudaStatus(cudaEventRecord(e.get(), on), "cudaEventRecord", __FILE__, __LINE__);
   };
+  // With two GEMM streams (plan_.two_gemm_streams) the reference's GEMMs and inputs run on
+  // gemm_stream_b, which waits and signals exactly as gemm_stream does.
+  const bool two = plan_.two_gemm_streams;
+  const cudaStream_t stream_b = rank_.gemm_stream_b.get();
   if (split && plan_.jsd_pass && row0 > 0) {
     LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slots_released));
+    if (two) LOGITSERVE_RETURN_IF_ERROR(wait(stream_b, rank_.slots_released));
   }
   LOGITSERVE_RETURN_IF_ERROR(BeginTile(model_, row0, rows, stream()));
   if (plan_.pair) {
@@ -91,6 +97,7 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
     const int64_t slot = plan_.jsd_pass ? c : g % 2;
     if (split && !plan_.jsd_pass && g >= 2) {
       LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slot_free[e]));
+      if (two) LOGITSERVE_RETURN_IF_ERROR(wait(stream_b, rank_.slot_free[e]));
     }
     LOGITSERVE_ASSIGN_OR_RETURN(kc::LogitsSource a,
                                 Source(model_, c, row0, /*compute=*/true, slot));
@@ -101,6 +108,10 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
     if (split) {
       LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled[e], gemm_stream()));
       LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
+      if (two) {
+        LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled_b[e], stream_b));
+        LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled_b[e]));
+      }
     }
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
