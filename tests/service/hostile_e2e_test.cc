@@ -11,13 +11,10 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -325,7 +322,7 @@ TEST(MalformedMessageE2eTest, UnparsableRequestFailsAloneAndTheServerServesOn) {
   auto channel = Connect(server->address());
   grpc::GenericStub generic(channel);
   // Field 2 (head), length-delimited, claiming 100 bytes of which 3 follow: not a ScoreRequest.
-  const std::string garbage = "\x12\x64abc";
+  const std::string garbage = std::string("\x12\x64") + "abc";
   grpc::Slice slice(garbage);
   grpc::ByteBuffer request(&slice, 1);
   grpc::ByteBuffer reply;
@@ -451,84 +448,20 @@ TEST(HostileStartupE2eTest, FifoAsConfigOrShardFailsInsteadOfHanging) {
   }
 }
 
-// A server spawned without waiting for it to listen: its stdout and stderr go to a pipe, read
-// until its start-up line (printed once it has blocked the shutdown signals; a SIGTERM before
-// that takes the default action, exit 143: on a loaded 2-core CI machine the first 500 ms of
-// dynamic loading were not always enough). The pipe stays open until the server has exited, so
-// that its later log lines never meet a closed pipe.
-struct SpawnedServer {
-  pid_t pid = -1;
-  int out = -1;  // read end of the pipe
-  ~SpawnedServer() {
-    if (out >= 0) close(out);
-  }
-};
-
-std::unique_ptr<SpawnedServer> SpawnServerUntilStarted(std::vector<std::string> args) {
-  args.insert(args.begin(), {ServerProcess::DefaultBinary(), "--listen", "127.0.0.1:0"});
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  int fds[2];
-  if (pipe(fds) != 0) return nullptr;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addclose(&actions, fds[0]);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-  auto server = std::make_unique<SpawnedServer>();
-  if (posix_spawn(&server->pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) {
-    server->pid = -1;
-  }
-  posix_spawn_file_actions_destroy(&actions);
-  close(fds[1]);
-  server->out = fds[0];
-  if (server->pid < 0) return nullptr;
-  std::string text;
-  char buf[4096];
-  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(30);
-  while (text.find("backends built:") == std::string::npos && Clock::now() < deadline) {
-    pollfd ready{server->out, POLLIN, 0};
-    if (poll(&ready, 1, 100) <= 0) continue;
-    const ssize_t n = read(server->out, buf, sizeof(buf));
-    if (n <= 0) break;  // the server exited
-    text.append(buf, static_cast<size_t>(n));
-  }
-  if (text.find("backends built:") == std::string::npos) {
-    ADD_FAILURE() << "no start-up line from the server; it printed: " << text;
-    kill(server->pid, SIGKILL);
-    waitpid(server->pid, nullptr, 0);
-    return nullptr;
-  }
-  return server;
-}
-
-// The exit status of `pid` (128 + signal when killed), or -1 when it is still running after
-// `timeout` (then it is killed and reaped).
-int WaitForExit(pid_t pid, std::chrono::milliseconds timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  int status = 0;
-  while (Clock::now() < deadline) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &status, 0);
-  return -1;
-}
-
 TEST(HostileSignalsE2eTest, SigtermWhileHeadsLoadExitsAtOnce) {
   // Each head waits 5 s before it loads (--test-fault slow-load): the signal lands in the first.
-  std::unique_ptr<SpawnedServer> server =
-      SpawnServerUntilStarted({"--synthetic-head", kSmall.Flag(), "--synthetic-head",
-                               kPolicy.Flag(), "--test-fault", "slow-load:5000"});
-  ASSERT_NE(server, nullptr);
+  // The signal waits for the start-up line, printed once the server has blocked the shutdown
+  // signals (a SIGTERM before that takes the default action, exit 143: on a loaded 2-core CI
+  // machine the first 500 ms of dynamic loading were not always enough).
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+      ServerProcess::StartUntilOutput({"--synthetic-head", kSmall.Flag(), "--synthetic-head",
+                                       kPolicy.Flag(), "--test-fault", "slow-load:5000"},
+                                      "backends built:");
+  ASSERT_TRUE(server.ok()) << server.status();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const Clock::time_point signalled = Clock::now();
-  ASSERT_EQ(kill(server->pid, SIGTERM), 0);
-  EXPECT_EQ(WaitForExit(server->pid, std::chrono::seconds(4)), 0);
+  // Exit 0 within 4 s (Stop kills it after that: 137).
+  EXPECT_EQ((*server)->Stop(SIGTERM, std::chrono::seconds(4)), 0) << (*server)->output();
   EXPECT_LT(Seconds(Clock::now() - signalled), 3.0);  // not after the 10 s of loading
 }
 

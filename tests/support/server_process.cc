@@ -147,40 +147,50 @@ std::string ServerProcess::DefaultBinary() {
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     std::vector<std::string> args, std::string binary, std::chrono::milliseconds timeout) {
+  return Launch(std::move(args), std::move(binary), timeout, /*merge_stderr=*/false,
+                kListeningPrefix);
+}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::StartUntilOutput(
+    std::vector<std::string> args, const std::string& marker, std::chrono::milliseconds timeout) {
+  return Launch(std::move(args), "", timeout, /*merge_stderr=*/true, marker);
+}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Launch(
+    std::vector<std::string> args, std::string binary, std::chrono::milliseconds timeout,
+    bool merge_stderr, const std::string& marker) {
   if (binary.empty()) binary = DefaultBinary();
-  LOGITSERVE_ASSIGN_OR_RETURN(Child child, Spawn(binary, args, /*merge_stderr=*/false));
+  LOGITSERVE_ASSIGN_OR_RETURN(Child child, Spawn(binary, args, merge_stderr));
   const Clock::time_point deadline = Clock::now() + timeout;
   std::string out;
   while (true) {
-    const size_t prefix = out.find(kListeningPrefix);
-    const size_t eol = prefix == std::string::npos ? prefix : out.find('\n', prefix);
-    if (eol != std::string::npos) {
-      const size_t begin = prefix + std::strlen(kListeningPrefix);
-      std::string address = out.substr(begin, eol - begin);
+    const size_t at = out.find(marker);
+    if (at != std::string::npos && out.find('\n', at) != std::string::npos) {
+      std::string address = TakeLine(out, kListeningPrefix);
       auto server = std::unique_ptr<ServerProcess>(
           new ServerProcess(child.pid, child.fd, std::move(address)));
-      std::string rest = out.substr(0, prefix) + out.substr(eol + 1);
-      server->metrics_address_ = TakeLine(rest, kMetricsPrefix);
+      server->metrics_address_ = TakeLine(out, kMetricsPrefix);
       {
         absl::MutexLock lock(&server->mu_);
-        server->output_ = std::move(rest);
+        server->output_ = std::move(out);
       }
       server->reader_ = std::thread([s = server.get()] { s->ReadRemainingOutput(); });
       return server;
     }
     const int n = ReadSome(child.fd, RemainingMs(deadline), &out);
-    if (n == 0) {  // EOF: the server exited without listening
+    if (n == 0) {  // EOF: the server exited before printing the marker
       close(child.fd);
       const std::optional<int> code = WaitFor(child.pid, std::chrono::seconds(10));
       const int exit_code = code.has_value() ? *code : KillAndReap(child.pid);
       return absl::FailedPreconditionError(absl::StrCat("logitserve exited with status ", exit_code,
-                                                        " before listening; stdout: ", out));
+                                                        " before printing '", marker,
+                                                        "'; output: ", out));
     }
     if (n < 0 || RemainingMs(deadline) == 0) {
       close(child.fd);
       KillAndReap(child.pid);
       return absl::DeadlineExceededError(absl::StrCat(
-          "logitserve printed no listening line within ", timeout.count(), " ms; stdout: ", out));
+          "logitserve printed no '", marker, "' within ", timeout.count(), " ms; output: ", out));
     }
   }
 }

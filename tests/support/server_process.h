@@ -40,6 +40,13 @@ class ServerProcess {
       std::vector<std::string> args, std::string binary = "",
       std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
+  // Starts the binary like Start, with its stderr merged into the collected output, and returns
+  // once a complete line containing `marker` has been printed (address() is empty when the
+  // listening line has not come by then): for tests that act on the server before it listens.
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> StartUntilOutput(
+      std::vector<std::string> args, const std::string& marker,
+      std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
   struct ExitResult {
     int exit_code = 0;   // the exit status, or 128 + signal when killed
     std::string output;  // stdout and stderr, interleaved
@@ -54,7 +61,7 @@ class ServerProcess {
   ServerProcess(const ServerProcess&) = delete;
   ServerProcess& operator=(const ServerProcess&) = delete;
 
-  // "127.0.0.1:PORT", as printed by the server.
+  // "127.0.0.1:PORT", as printed by the server (empty: see StartUntilOutput).
   const std::string& address() const { return address_; }
   // "HOST:PORT" of the Prometheus endpoint from the server's `logitserve metrics on HOST:PORT`
   // line (printed before the listening line when --metrics-listen is given); empty otherwise.
@@ -65,11 +72,17 @@ class ServerProcess {
   // (128 + signal when killed by one). Returns the same value when called again.
   int Stop(int sig = SIGTERM, std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
-  // stdout the server wrote after the listening line (complete once it has exited).
+  // stdout the server wrote besides the listening and metrics lines (complete once it has
+  // exited; with StartUntilOutput also its stderr).
   std::string output() const;
 
  private:
   ServerProcess(pid_t pid, int stdout_fd, std::string address);
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Launch(std::vector<std::string> args,
+                                                               std::string binary,
+                                                               std::chrono::milliseconds timeout,
+                                                               bool merge_stderr,
+                                                               const std::string& marker);
   void ReadRemainingOutput();
 
   const pid_t pid_;
