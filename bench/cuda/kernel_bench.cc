@@ -14,11 +14,11 @@
 //
 // Hidden mode (N x H x V): policy + reference heads (bf16), outputs target logprobs + entropy of
 // both + forward KL, against two bare cuBLASLt bf16 GEMMs of the same shape (the best heuristic
-// algorithm, bf16 output); also the backend's fixed 1024 x 8192 tile GEMMs alone (the GEMM cost of
-// the pipeline without the statistics), the fused GEMM + statistics kernel (--fused-configs:
-// CudaBackendOptions::hidden_fused, with the largest gap of its outputs to the default path's),
-// one GPU with the hidden states in pageable host memory (the service's case: copied per row
-// tile), and two GPUs when visible (SPEC: >= 1.9x one GPU).
+// algorithm, bf16 output); also the backend's fixed tile GEMMs alone (its row tile x one slot, or x
+// 8192 columns: the GEMM cost of the pipeline without the statistics), the fused GEMM +
+// statistics kernel (--fused-configs: CudaBackendOptions::hidden_fused, with the largest gap of its
+// outputs to the default path's), one GPU with the hidden states in pageable host memory (the
+// service's case: copied per row tile), and two GPUs when visible (SPEC: >= 1.9x one GPU).
 //
 // Long file: one program prints the whole side-by-side table of docs/PERFORMANCE.md (logits and
 // hidden mode, their floors and the configuration sweeps) from one run on one warm GPU; split, the
@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench/cuda/bench_fill.h"
@@ -234,6 +235,12 @@ int main(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
   std::vector<int64_t> tile_rows_list;
   std::vector<int64_t> tile_gemm_rows = {logitserve::kCudaRowTile};
+  const int64_t slot_cols =
+      logitserve::CudaBackendOptions{}.hidden_stats_chunks * logitserve::kCudaVocabChunk;
+  std::vector<int64_t> tile_gemm_cols = {slot_cols};
+  if (slot_cols != logitserve::kCudaVocabChunk)
+    tile_gemm_cols.push_back(logitserve::kCudaVocabChunk);
+  int tile_gemm_candidates = 0;
   std::vector<std::string> hidden_configs;
   std::vector<std::string> fused_configs = {"2x2:2048", "2x1:2048"};
   bool no_logits = false, no_hidden = false;
@@ -254,12 +261,21 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--tile-gemm-rows", tile_gemm_rows,
                  "hidden mode: row counts of the tile GEMMs timed alone (the first should be "
-                 "the pipeline's, 512)")
+                 "the pipeline's, 1024)")
       ->delimiter(',');
+  app.add_option("--tile-gemm-cols", tile_gemm_cols,
+                 "hidden mode: column counts of the tile GEMMs timed alone (multiples of 8192; "
+                 "the first should be the pipeline's, one slot)")
+      ->delimiter(',');
+  app.add_option("--tile-gemm-candidates", tile_gemm_candidates,
+                 "hidden mode: also time each shape with cuBLASLt's first N algorithms without "
+                 "split-K (the backend pins the first with a preferred tile shape)");
   app.add_option("--hidden-configs", hidden_configs,
-                 "hidden mode: also run the 1-GPU Score with these ROWS:CHUNKS[:serial][:2s] "
+                 "hidden mode: also run the 1-GPU Score with these "
+                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN] "
                  "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
-                 "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2)")
+                 "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2, cg = a GEMM per "
+                 "8192-id chunk: hidden_slot_gemms off, algN = hidden_gemm_candidate N)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -611,8 +627,11 @@ int main(int argc, char** argv) {
     ScoreResult first_result;  // the default run's, to compare the other paths with
     auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
                            bool overlap = true, int stats_chunks = 0, int64_t row_tile = 0,
-                           Fused fused = Fused{}, int gemm_streams = 0) -> double {
+                           Fused fused = Fused{}, int gemm_streams = 0, bool chunk_gemms = false,
+                           int gemm_candidate = -1) -> double {
       logitserve::CudaBackendOptions options;
+      options.hidden_gemm_candidate = gemm_candidate;
+      if (chunk_gemms) options.hidden_slot_gemms = false;
       if (gemm_streams > 0) options.hidden_gemm_streams = gemm_streams;
       options.devices = devs;
       options.overlap_hidden_gemms = overlap;
@@ -721,30 +740,31 @@ int main(int argc, char** argv) {
       return ms;
     };
 
-    // The pipeline's own GEMMs alone: the fixed 1024 x 8192 x H tiles, as many as one job runs
-    // (and, for comparison, taller tiles: --tile-gemm-rows).
-    for (const int64_t gemm_rows : tile_gemm_rows) {
+    // The pipeline's own GEMMs alone: its fixed row tile x one slot (or one chunk) x H, as many
+    // as one job runs (and, for comparison, other shapes: --tile-gemm-rows, --tile-gemm-cols).
+    auto time_tile_gemms = [&](int64_t gemm_rows, int64_t gemm_cols, int candidate) -> bool {
       cublasLtHandle_t lt;
       CHECK_CUDA(cublasLtCreate(&lt));
-      const logitserve::TileGemmShape shape{gemm_rows, logitserve::kCudaVocabChunk,
-                                            logitserve::kCudaVocabChunk};
+      logitserve::TileGemmShape shape{gemm_rows, gemm_cols, gemm_cols};
+      shape.candidate = candidate;
       auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8, shape);
       if (!gemm.ok()) {
-        std::fprintf(stderr, "%s\n", gemm.status().ToString().c_str());
-        return 1;
+        std::printf("  %ld x %ld, candidate %d: %s\n", static_cast<long>(gemm_rows),
+                    static_cast<long>(gemm_cols), candidate, gemm.status().ToString().c_str());
+        cublasLtDestroy(lt);
+        return false;
       }
       const int64_t k = (*gemm)->k();
-      void* w = DeviceAlloc(static_cast<size_t>(logitserve::kCudaVocabChunk * k) * 2);
+      void* w = DeviceAlloc(static_cast<size_t>(gemm_cols * k) * 2);
       void* x = DeviceAlloc(static_cast<size_t>(gemm_rows * k) * 2);
-      void* o = DeviceAlloc(static_cast<size_t>(gemm_rows * logitserve::kCudaVocabChunk) * 4);
+      void* o = DeviceAlloc(static_cast<size_t>(gemm_rows * gemm_cols) * 4);
       void* ws = DeviceAlloc(logitserve::kCublasWorkspaceBytes);
-      CHECK_CUDA(cudaMemset(w, 0, static_cast<size_t>(logitserve::kCudaVocabChunk * k) * 2));
+      CHECK_CUDA(cudaMemset(w, 0, static_cast<size_t>(gemm_cols * k) * 2));
       CHECK_CUDA(cudaMemset(x, 0, static_cast<size_t>(gemm_rows * k) * 2));
       const int64_t tiles = (hrows + gemm_rows - 1) / gemm_rows;
-      const int64_t chunks =
-          (hvocab + logitserve::kCudaVocabChunk - 1) / logitserve::kCudaVocabChunk;
+      const int64_t gemms_per_tile = (hvocab + gemm_cols - 1) / gemm_cols;
       const double ms = BestEventMs(stream, 1, hidden_iters, [&] {
-        for (int64_t i = 0; i < 2 * tiles * chunks; ++i) {
+        for (int64_t i = 0; i < 2 * tiles * gemms_per_tile; ++i) {
           absl::Status s = (*gemm)->Run(lt, static_cast<uint16_t*>(w), static_cast<uint16_t*>(x),
                                         static_cast<float*>(o), false, ws, stream);
           if (!s.ok()) {
@@ -753,23 +773,35 @@ int main(int argc, char** argv) {
           }
         }
       });
+      const bool pipeline =
+          gemm_rows == logitserve::kCudaRowTile && gemm_cols == slot_cols && candidate < 0;
       std::printf(
-          "%s tile GEMMs alone (%ld x %ldx8192x%ld, zeros): %.3f ms = %.3f x the bare "
+          "%s tile GEMMs alone (%ld x %ldx%ldx%ld, zeros): %.3f ms = %.3f x the bare "
           "GEMMs\n  %s\n",
-          gemm_rows == logitserve::kCudaRowTile ? "pipeline" : "taller",
-          static_cast<long>(2 * tiles * chunks), static_cast<long>(gemm_rows), static_cast<long>(k),
-          ms, ms / bare_ms, (*gemm)->description().c_str());
-      if (gemm_rows == logitserve::kCudaRowTile) {
+          pipeline ? "pipeline" : "other", static_cast<long>(2 * tiles * gemms_per_tile),
+          static_cast<long>(gemm_rows), static_cast<long>(gemm_cols), static_cast<long>(k), ms,
+          ms / bare_ms, (*gemm)->description().c_str());
+      if (pipeline) {
         out["hidden"]["tile_gemms_ms"] = ms;
         out["hidden"]["tile_gemm"] = (*gemm)->description();
       } else {
-        out["hidden"]["tile_gemms_ms_by_rows"][std::to_string(gemm_rows)] = ms;
+        out["hidden"]["tile_gemms_ms_by_shape"][std::to_string(gemm_rows) + "x" +
+                                                std::to_string(gemm_cols) + "#" +
+                                                std::to_string(candidate)] = ms;
       }
       cudaFree(w);
       cudaFree(x);
       cudaFree(o);
       cudaFree(ws);
       cublasLtDestroy(lt);
+      return true;
+    };
+    for (const int64_t gemm_rows : tile_gemm_rows) {
+      for (const int64_t gemm_cols : tile_gemm_cols) {
+        for (int c = -1; c < tile_gemm_candidates && time_tile_gemms(gemm_rows, gemm_cols, c);
+             ++c) {
+        }
+      }
     }
     // The default path: the fused kernel for heads of H <= hidden_fused_max_hidden, else the
     // tiles; then each path forced.
@@ -792,19 +824,25 @@ int main(int argc, char** argv) {
     }
 
     for (const std::string& config : hidden_configs) {
-      // ROWS:CHUNKS[:serial][:2s]
+      // ROWS:CHUNKS[:serial][:2s][:cg][:algN]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
       int64_t row_tile = 0;
       int chunks = 0;
-      bool serial = false, bad = f.size() < 2 || f.size() > 4 ||
+      bool serial = false, bad = f.size() < 2 || f.size() > 6 ||
                                  !absl::SimpleAtoi(f[0], &row_tile) ||
                                  !absl::SimpleAtoi(f[1], &chunks);
       int streams = 1;  // ":2s" for two
+      bool chunk_gemms = false;
+      int gemm_candidate = -1;  // ":algN": hidden_gemm_candidate N
       for (size_t i = 2; i < f.size(); ++i) {
         if (f[i] == "serial") {
           serial = true;
         } else if (f[i] == "2s") {
           streams = 2;
+        } else if (f[i] == "cg") {
+          chunk_gemms = true;
+        } else if (absl::StartsWith(f[i], "alg") &&
+                   absl::SimpleAtoi(f[i].substr(3), &gemm_candidate) && gemm_candidate >= 0) {
         } else {
           bad = true;
         }
@@ -813,11 +851,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--hidden-configs: bad entry '%s'\n", config.c_str());
         return 1;
       }
-      const std::string label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
-                                (serial ? ", GEMMs on the statistics stream" : "") +
-                                (streams == 2 ? ", two GEMM streams" : "");
+      const std::string label =
+          "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
+          (serial ? ", GEMMs on the statistics stream" : "") +
+          (streams == 2 ? ", two GEMM streams" : "") +
+          (chunk_gemms ? ", a GEMM per 8192 ids" : "") +
+          (gemm_candidate >= 0 ? ", cuBLASLt candidate " + std::to_string(gemm_candidate) : "");
       run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles_only,
-                  streams);
+                  streams, chunk_gemms, gemm_candidate);
     }
     if (!hidden_configs.empty()) {
       run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false, 0, 0,

@@ -101,6 +101,7 @@ def main():
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--hidden-vocab", type=int, default=151936)
     p.add_argument("--no-hidden", action="store_true")
+    p.add_argument("--no-logits", action="store_true", help="hidden mode only")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json")
     args = p.parse_args()
@@ -108,58 +109,59 @@ def main():
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     print(f"torch {torch.__version__} on {out['device']}")
 
-    n, v = args.rows, args.vocab
     g = torch.Generator(device=dev).manual_seed(0)
-    a = (torch.randn(n, v, device=dev, generator=g) * 3).to(torch.bfloat16)
-    b = (torch.randn(n, v, device=dev, generator=g) * 3).to(torch.bfloat16)
-    ids = torch.randint(0, v, (n,), device=dev, generator=g)
-    copy_ms = best_ms(lambda: a.clone(), args.iters)
-    one_read = copy_ms / 2  # a copy reads and writes the same bytes
-    gb = a.numel() * 2 / 1e9
-    print(f"\nlogits mode bf16 [{n} x {v}] ({gb:.2f} GB per tensor); D2D clone {copy_ms:.3f} ms "
-          f"-> one-read estimate {one_read:.3f} ms ({gb / one_read * 1e3:.0f} GB/s)")
-    ops = [
-        ("logprobs", 1, lambda f: f(a, ids), logprobs),
-        ("entropy", 1, lambda f: f(a), entropy),
-        ("top_k=64", 1, lambda f: f(a), topk),
-        ("top_k=1024", 1, lambda f: f(a), topk1024),
-        ("kl (fwd+rev)", 2, lambda f: f(a, b), kl_both),
-        ("jsd(0.5)", 2, lambda f: f(a, b), jsd),
-    ]
-    print(f"{'op':14s} {'eager_ms':>9s} {'extra_MB':>9s} {'compile_ms':>10s} {'extra_MB':>9s} "
-          f"{'floor_ms':>9s} {'eager/fl':>8s} {'comp/fl':>8s}")
-    out["logits"] = []
-    for name, reads, call, fn in ops:
-        floor = one_read * reads
-        eager = best_ms(lambda: call(fn), args.iters)
-        eager_mb = peak_extra_mb(lambda: call(fn))
-        comp, comp_mb = float("nan"), float("nan")
-        if not args.no_compile:
-            cfn = torch.compile(fn)
-            comp = best_ms(lambda: call(cfn), args.iters, warmup=3)
-            comp_mb = peak_extra_mb(lambda: call(cfn))
-        print(f"{name:14s} {eager:9.3f} {eager_mb:9.0f} {comp:10.3f} {comp_mb:9.0f} {floor:9.3f} "
-              f"{eager / floor:8.2f} {comp / floor:8.2f}")
-        out["logits"].append({"op": name, "eager_ms": eager, "eager_extra_mb": eager_mb,
-                              "compile_ms": comp, "compile_extra_mb": comp_mb, "floor_ms": floor})
-    if triton_peer is not None:
-        # Checked against eager fp32 torch on the same inputs before timing.
-        lp_t, ent_t = triton_peer.lp_entropy(a, ids)
-        _, e_a, e_b, fwd_t, rev_t = triton_peer.pair_stats(a, b, ids)
-        fwd_ref, rev_ref = kl_both(a, b)
-        err = max((lp_t - logprobs(a, ids)).abs().max().item(),
-                  (ent_t - entropy(a)).abs().max().item(),
-                  (e_b - entropy(b)).abs().max().item(),
-                  (fwd_t - fwd_ref).abs().max().item(), (rev_t - rev_ref).abs().max().item())
-        t1 = best_ms(lambda: triton_peer.lp_entropy(a, ids), args.iters)
-        t2 = best_ms(lambda: triton_peer.pair_stats(a, b, ids), args.iters)
-        print(f"triton peer (one program per row, chunk {triton_peer.BLOCK}; max |err| vs eager "
-              f"{err:.2e}):")
-        print(f"{'logprobs+entropy':18s} {t1:9.3f} ms  {t1 / one_read:6.2f} x one read")
-        print(f"{'kl (fwd+rev)+ent':18s} {t2:9.3f} ms  {t2 / (2 * one_read):6.2f} x two reads")
-        out["triton"] = {"lp_entropy_ms": t1, "pair_ms": t2, "max_abs_err": err}
-    del a, b
-    torch.cuda.empty_cache()
+    if not args.no_logits:
+        n, v = args.rows, args.vocab
+        a = (torch.randn(n, v, device=dev, generator=g) * 3).to(torch.bfloat16)
+        b = (torch.randn(n, v, device=dev, generator=g) * 3).to(torch.bfloat16)
+        ids = torch.randint(0, v, (n,), device=dev, generator=g)
+        copy_ms = best_ms(lambda: a.clone(), args.iters)
+        one_read = copy_ms / 2  # a copy reads and writes the same bytes
+        gb = a.numel() * 2 / 1e9
+        print(f"\nlogits mode bf16 [{n} x {v}] ({gb:.2f} GB per tensor); D2D clone {copy_ms:.3f} ms "
+              f"-> one-read estimate {one_read:.3f} ms ({gb / one_read * 1e3:.0f} GB/s)")
+        ops = [
+            ("logprobs", 1, lambda f: f(a, ids), logprobs),
+            ("entropy", 1, lambda f: f(a), entropy),
+            ("top_k=64", 1, lambda f: f(a), topk),
+            ("top_k=1024", 1, lambda f: f(a), topk1024),
+            ("kl (fwd+rev)", 2, lambda f: f(a, b), kl_both),
+            ("jsd(0.5)", 2, lambda f: f(a, b), jsd),
+        ]
+        print(f"{'op':14s} {'eager_ms':>9s} {'extra_MB':>9s} {'compile_ms':>10s} {'extra_MB':>9s} "
+              f"{'floor_ms':>9s} {'eager/fl':>8s} {'comp/fl':>8s}")
+        out["logits"] = []
+        for name, reads, call, fn in ops:
+            floor = one_read * reads
+            eager = best_ms(lambda: call(fn), args.iters)
+            eager_mb = peak_extra_mb(lambda: call(fn))
+            comp, comp_mb = float("nan"), float("nan")
+            if not args.no_compile:
+                cfn = torch.compile(fn)
+                comp = best_ms(lambda: call(cfn), args.iters, warmup=3)
+                comp_mb = peak_extra_mb(lambda: call(cfn))
+            print(f"{name:14s} {eager:9.3f} {eager_mb:9.0f} {comp:10.3f} {comp_mb:9.0f} {floor:9.3f} "
+                  f"{eager / floor:8.2f} {comp / floor:8.2f}")
+            out["logits"].append({"op": name, "eager_ms": eager, "eager_extra_mb": eager_mb,
+                                  "compile_ms": comp, "compile_extra_mb": comp_mb, "floor_ms": floor})
+        if triton_peer is not None:
+            # Checked against eager fp32 torch on the same inputs before timing.
+            lp_t, ent_t = triton_peer.lp_entropy(a, ids)
+            _, e_a, e_b, fwd_t, rev_t = triton_peer.pair_stats(a, b, ids)
+            fwd_ref, rev_ref = kl_both(a, b)
+            err = max((lp_t - logprobs(a, ids)).abs().max().item(),
+                      (ent_t - entropy(a)).abs().max().item(),
+                      (e_b - entropy(b)).abs().max().item(),
+                      (fwd_t - fwd_ref).abs().max().item(), (rev_t - rev_ref).abs().max().item())
+            t1 = best_ms(lambda: triton_peer.lp_entropy(a, ids), args.iters)
+            t2 = best_ms(lambda: triton_peer.pair_stats(a, b, ids), args.iters)
+            print(f"triton peer (one program per row, chunk {triton_peer.BLOCK}; max |err| vs eager "
+                  f"{err:.2e}):")
+            print(f"{'logprobs+entropy':18s} {t1:9.3f} ms  {t1 / one_read:6.2f} x one read")
+            print(f"{'kl (fwd+rev)+ent':18s} {t2:9.3f} ms  {t2 / (2 * one_read):6.2f} x two reads")
+            out["triton"] = {"lp_entropy_ms": t1, "pair_ms": t2, "max_abs_err": err}
+        del a, b
+        torch.cuda.empty_cache()
 
     if not args.no_hidden:
         hn, hh, hv = args.hidden_rows, args.hidden, args.hidden_vocab

@@ -15,6 +15,7 @@
 // devices' contexts (seconds each on the GPU machine).
 #include "server/backend/cuda/cuda_backend.h"
 
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -32,10 +33,12 @@
 
 #include "gtest/gtest.h"
 #include "logitserve/kernels/cuda_kernels.h"
+#include "logitserve/kernels/dtype.h"
 #include "server/backend/backend.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_tile_gemm.h"
 #include "tests/gpu/cuda_factories.h"
+#include "tests/gpu/device_array.h"
 #include "tests/gpu/gpu_test_env.h"
 #include "tests/kernels/expect_reference.h"
 #include "tests/kernels/job_builder.h"
@@ -775,10 +778,10 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // (the GEMMs fill two alternating logits tiles on their own stream without one, keep every chunk
 // of the row tile with one), also with both distributions' GEMMs on one stream
 // (hidden_gemm_streams 1; by default the reference's have their own). V = 20000: three
-// GEMM chunks per row tile, so a tile reuses a logits slot; N = 2100: three row tiles of 1024
+// GEMM chunks per row tile, so a tile reuses a logits slot; N = 4200: three row tiles of 2048
 // (the last short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
-  constexpr int64_t kVocab = 20000, kH = 96, kN = 2100;
+  constexpr int64_t kVocab = 20000, kH = 96, kN = 4200;
   static_assert(kN > 2 * kCudaRowTile && kN < 3 * kCudaRowTile);
   std::mt19937_64 rng(47);
   const auto model_w = RandomHead(rng, kVocab, kH, FloatType::kBFloat16, 3.0 / std::sqrt(96.0),
@@ -868,6 +871,85 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   cudaFreeHost(pinned_r);
   cudaFree(dev_m);
   cudaFree(dev_r);
+}
+
+// The tile GEMM of a whole slot (CudaBackendOptions::hidden_slot_gemms): the pinned algorithm run
+// on fewer columns (a head shard's last slot) or fewer rows (the short tiles) gives every output
+// element the bits the full shape gives it, and those are the fp64 dot products to within the
+// fp32 accumulation bound. Three chunks a slot, so both narrower column counts run.
+TEST(CudaTileGemmTest, FewerColumnsAndRowsKeepEveryElementsBits) {
+  constexpr int64_t kK = 200, kCols = 3 * kCudaVocabChunk, kRows = kCudaRowTile;
+  std::mt19937_64 rng(53);
+  // bf16 inputs from normal values: their products are exact in fp32, their sums round, so the
+  // bits depend on the summation order.
+  const HostMatrix w = Encode(FloatType::kBFloat16, kCols, kK, RandomNormal(rng, kCols * kK, 1.0));
+  const HostMatrix x = Encode(FloatType::kBFloat16, kRows, kK, RandomNormal(rng, kRows * kK, 1.0));
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cublasLtHandle_t lt = nullptr;
+  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
+  absl::StatusOr<std::unique_ptr<CudaTileGemm>> gemm =
+      CudaTileGemm::Create(lt, kK, TileGemmShape{kRows, kCols, kCols});
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  const CudaTileGemm& g = **gemm;
+  DeviceArray<uint16_t> dw(static_cast<size_t>(kCols * kK)), dx(static_cast<size_t>(kRows * kK));
+  ASSERT_CUDA(cudaMemcpy(dw.get(), w.bytes.data(), w.bytes.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(dx.get(), x.bytes.data(), x.bytes.size(), cudaMemcpyHostToDevice));
+  DeviceArray<uint8_t> workspace(kCublasWorkspaceBytes);
+  const size_t out_elems = static_cast<size_t>(kRows * kCols);
+  DeviceArray<float> full(out_elems), pieces(out_elems);
+  ASSERT_TRUE(g.Run(lt, dw.get(), dx.get(), full.get(), false, workspace.get(), nullptr).ok());
+  // Columns [0, 8192) alone, then [8192, 24576) as one GEMM of two chunks.
+  ASSERT_TRUE(g.Run(lt, dw.get(), dx.get(), pieces.get(), false, workspace.get(), nullptr, 0,
+                    kCudaVocabChunk)
+                  .ok());
+  ASSERT_TRUE(g.Run(lt, dw.get() + kCudaVocabChunk * kK, dx.get(), pieces.get() + kCudaVocabChunk,
+                    false, workspace.get(), nullptr, 0, 2 * kCudaVocabChunk)
+                  .ok());
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> f = full.ToHost(), p = pieces.ToHost();
+  int64_t differing = 0;
+  for (size_t i = 0; i < out_elems; ++i) differing += SameBits(f[i], p[i]) ? 0 : 1;
+  EXPECT_EQ(differing, 0) << "of " << out_elems << " elements";
+  // A short tile of the first rows, every column count.
+  int short_tiles = 0;
+  for (const int64_t rows : kCudaShortRowTiles) {
+    if (!g.Runs(rows)) continue;
+    ++short_tiles;
+    SCOPED_TRACE(std::to_string(rows) + " rows");
+    DeviceArray<float> tile(out_elems);
+    ASSERT_TRUE(g.Run(lt, dw.get(), dx.get(), tile.get(), false, workspace.get(), nullptr, rows,
+                      kCudaVocabChunk)
+                    .ok());
+    ASSERT_TRUE(g.Run(lt, dw.get() + kCudaVocabChunk * kK, dx.get(), tile.get() + kCudaVocabChunk,
+                      false, workspace.get(), nullptr, rows, 2 * kCudaVocabChunk)
+                    .ok());
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> t = tile.ToHost();
+    int64_t diff = 0;
+    for (size_t i = 0; i < static_cast<size_t>(rows * kCols); ++i)
+      diff += SameBits(f[i], t[i]) ? 0 : 1;
+    EXPECT_EQ(diff, 0);
+  }
+  EXPECT_GT(short_tiles, 0) << g.description();
+  // Sampled elements against fp64: fp32 sums of exact products, |error| <= k u sum |w x|, twice
+  // that since the tensor cores' additions may truncate rather than round.
+  auto value = [](const HostMatrix& m, int64_t i) {
+    uint16_t bits;
+    std::memcpy(&bits, m.bytes.data() + 2 * i, 2);
+    return static_cast<double>(kernels::BFloat16ToFloat(bits));
+  };
+  for (int s = 0; s < 2000; ++s) {
+    const int64_t r = static_cast<int64_t>(rng() % kRows), c = static_cast<int64_t>(rng() % kCols);
+    double exact = 0, magnitude = 0;
+    for (int64_t q = 0; q < kK; ++q) {
+      const double prod = value(w, c * kK + q) * value(x, r * kK + q);
+      exact += prod;
+      magnitude += std::abs(prod);
+    }
+    const double got = f[static_cast<size_t>(r * kCols + c)];
+    ASSERT_LE(std::abs(got - exact), 2 * kK * kU * magnitude) << "row " << r << ", column " << c;
+  }
+  cublasLtDestroy(lt);
 }
 
 // ---- errors --------------------------------------------------------------------------------
@@ -1097,6 +1179,12 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
   CudaBackendOptions streams;
   streams.hidden_gemm_streams = 3;
   EXPECT_EQ(CreateCudaBackend(streams).status().code(), absl::StatusCode::kInvalidArgument);
+  for (int candidate : {-2, 32}) {
+    CudaBackendOptions algo;
+    algo.hidden_gemm_candidate = candidate;
+    EXPECT_EQ(CreateCudaBackend(algo).status().code(), absl::StatusCode::kInvalidArgument)
+        << candidate;
+  }
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->name(), "cuda");

@@ -278,7 +278,7 @@ TEST(Determinism, ConcurrentCallsGiveSameBits) {
 
 // Hidden mode: a row alone vs inside batches of 200 and 1500 at positions that are not multiples
 // of any tile size, across shard layouts and hidden-state dtypes carrying the same values. (The
-// CUDA backend multiplies a short job in a short row tile and a long one in full 1024-row tiles:
+// CUDA backend multiplies a short job in a short row tile and a long one in full row tiles:
 // the same pinned GEMM, which must give the same bits.)
 TEST(Determinism, HiddenRowBitsIndependentOfBatchPositionShardsAndDtype) {
   const int64_t v = 4097, h = 72, hr = 40;

@@ -105,14 +105,16 @@ class CudaBackend final : public Backend {
   // collective waits for ever, and lets the streams drain for a bounded time.
   void ShutDownAfterFatalError() ABSL_EXCLUSIVE_LOCKS_REQUIRED(score_mu_);
   absl::StatusOr<std::shared_ptr<const CudaTileGemm>> GemmFor(int device, int64_t k_pad);
-  // Every tile GEMM's shape: HiddenRowTile() x kCudaVocabChunk into slots of
-  // hidden_stats_chunks chunks side by side.
+  // Every tile GEMM's shape: HiddenRowTile() x the slot (hidden_slot_gemms) or kCudaVocabChunk
+  // columns, into slots of hidden_stats_chunks chunks side by side.
   int64_t HiddenRowTile() const {
     return options_.hidden_row_tile > 0 ? options_.hidden_row_tile : kCudaRowTile;
   }
-  TileGemmShape SlotGemmShape() const {
-    return TileGemmShape{HiddenRowTile(), kCudaVocabChunk,
-                         options_.hidden_stats_chunks * kCudaVocabChunk};
+  int64_t SlotCols() const { return options_.hidden_stats_chunks * kCudaVocabChunk; }
+  TileGemmShape SlotGemmShape(bool whole_slot) const {
+    TileGemmShape s{HiddenRowTile(), whole_slot ? SlotCols() : kCudaVocabChunk, SlotCols()};
+    s.candidate = options_.hidden_gemm_candidate;
+    return s;
   }
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
   absl::Status CheckHead(const DistributionInput& in) const;
@@ -143,8 +145,14 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
   LOGITSERVE_RETURN_IF_ERROR(guard.status());
   LtHandle lt;  // its own handle: the ranks' handles may be busy in a concurrent Score
   LOGITSERVE_RETURN_IF_ERROR(lt.Create());
-  LOGITSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const CudaTileGemm> shared,
-                              CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape()));
+  absl::StatusOr<std::unique_ptr<CudaTileGemm>> gemm =
+      CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(options_.hidden_slot_gemms));
+  if (!gemm.ok() && options_.hidden_slot_gemms &&
+      absl::IsFailedPrecondition(gemm.status())) {  // no algorithm for every slot width
+    gemm = CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(false));
+  }
+  LOGITSERVE_RETURN_IF_ERROR(gemm.status());
+  std::shared_ptr<const CudaTileGemm> shared = std::move(*gemm);
   gemms_.emplace(std::make_pair(device, k_pad), shared);
   return shared;
 }
@@ -264,7 +272,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
                        job.model.hidden_mode() && job.reference.hidden_mode();
   int64_t widest = 0;
   for (const ShardRange& s : p.layout) widest = std::max(widest, s.end - s.begin);
-  p.chunk_cols = p.any_hidden ? SlotGemmShape().ld : std::max<int64_t>(widest, 1);
+  p.chunk_cols = p.any_hidden ? SlotCols() : std::max<int64_t>(widest, 1);
 
   // Logits read in place where they already live on a rank's device.
   p.model_zero_copy.assign(static_cast<size_t>(ranks), false);
@@ -567,6 +575,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   }
   if (options.hidden_gemm_streams != 1 && options.hidden_gemm_streams != 2) {
     return absl::InvalidArgumentError("hidden_gemm_streams must be 1 or 2");
+  }
+  if (options.hidden_gemm_candidate < -1 || options.hidden_gemm_candidate > 31) {
+    return absl::InvalidArgumentError("hidden_gemm_candidate must be in [-1, 31]");
   }
   if (options.collective_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("collective_timeout must be > 0");

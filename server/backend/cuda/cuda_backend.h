@@ -97,11 +97,13 @@ struct CudaBackendOptions {
   // slot and go through one statistics launch. A 512 x 8192 chunk alone is 2048 warp items, 1.3
   // waves of the fp32 pair kernel: launches that small ran at a third of its streaming rate.
   // Each chunk costs row tile x 8192 x 4 bytes per slot (two slots per distribution; with a JSD
-  // pass every slot of the shard). H200, policy + reference at N 8192, H 4096, V 151936
-  // (logitserve-kernel-bench --hidden-configs): row tile 1024 with 2 chunks 31.8 ms (306 MB of
-  // workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512 with 4 chunks 33.4, 8: 34.5; row tile
-  // 2048 with 1-2 chunks 33.2-33.5. Never changes a result (the statistics are per block).
-  int hidden_stats_chunks = 2;
+  // pass every slot of the shard). H200, policy + reference at N 8192, V 151936
+  // (logitserve-kernel-bench --hidden-configs), cuBLASLt's first-choice tiles: H 4096, row tile
+  // 1024 with 2 chunks 31.8 ms (306 MB of workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512
+  // with 4 chunks 33.4, 8: 34.5; row tile 2048 with 1-2 chunks 33.2-33.5. With the preferred
+  // 168 x 128 tiles, row tile 2048 with one chunk is the default (kCudaRowTile says why). Never
+  // changes a result (the statistics are per block).
+  int hidden_stats_chunks = 1;
   // Hidden mode with overlap_hidden_gemms, both distributions' hidden states: 2 = the reference
   // distribution's GEMMs on a stream of their own, beside the policy's, so that each chunk's two
   // GEMMs fill each other's last wave (one more 32 MiB cuBLASLt workspace per rank); 1 = both on
@@ -109,6 +111,19 @@ struct CudaBackendOptions {
   // --hidden-configs 1024:2,1024:2:2s): H 2048 18.65-18.84 ms against 19.20-19.81, H 4096
   // 31.96-32.15 against 32.39-35.29. The same kernels read the same inputs: the bits do not change.
   int hidden_gemm_streams = 2;
+  // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
+  // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
+  // algorithm on fewer columns) rather than one per kCudaVocabChunk chunk: fewer, larger GEMMs,
+  // each with one partly idle last wave (H200, 1024-row tiles x 2 chunks, the GEMMs alone with
+  // the preferred tile: H 1024 7.70 ms against 8.29, H 2048 / 4096 even). The pinned algorithm is
+  // the one for the slot's shape, so the bits may differ from the per-chunk GEMMs' (by rounding),
+  // and are again the same for every batch and layout. Where cuBLASLt does not run that algorithm
+  // on a slot's fewer columns, per chunk.
+  bool hidden_slot_gemms = true;
+  // Hidden mode, cuBLASLt tiles: which of cuBLASLt's heuristic results without split-K the tile
+  // GEMMs pin: -1 = the first with a preferred tile shape (kPreferredTileShapes, cuda_tile_gemm.h),
+  // else its first; N >= 0 = its N-th (benchmarks). Fixed per backend, like the algorithm itself.
+  int hidden_gemm_candidate = -1;
   // Hidden mode: rows of the tile GEMMs (the row tile); 0 = kCudaRowTile. Fixed per backend; a job
   // of fewer rows multiplies one of the short tiles of cuda_tile_gemm.h instead, the same pinned
   // algorithm (batch invariance: a row gets the same bits in either).

@@ -318,14 +318,17 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
       const cudaStream_t on = GemmStreamOf(d);
       DeviceBuffer& workspace = OnStreamB(d) ? rank_.cublas_workspace_b : rank_.cublas_workspace;
       const size_t x_stride = static_cast<size_t>(plan_.tile_rows * head.k_pad);
-      for (int64_t q = cc0; q < std::min(cc0 + plan_.chunk_cols, hs.padded_rows);
-           q += kCudaVocabChunk) {
+      // One GEMM per kCudaVocabChunk chunk or per slot (the gemm's columns); the shard's padded
+      // rows are whole chunks, so a last, narrower GEMM has whole chunks too.
+      const int64_t step = hs.gemm->shape().cols;
+      const int64_t end = std::min(cc0 + plan_.chunk_cols, hs.padded_rows);
+      for (int64_t q = cc0; q < end; q += step) {
         for (int j = 0; j < d.hidden_parts; ++j) {
           for (int i = 0; i < head.parts; ++i) {
             const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
             if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
                                       /*accumulate=*/(i | j) != 0, workspace.data(), on,
-                                      plan_.tile_rows);
+                                      plan_.tile_rows, std::min(step, end - q));
                 !s.ok()) {
               return s;
             }
