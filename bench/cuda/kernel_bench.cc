@@ -261,7 +261,7 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--tile-gemm-rows", tile_gemm_rows,
                  "hidden mode: row counts of the tile GEMMs timed alone (the first should be "
-                 "the pipeline's, 1024)")
+                 "the pipeline's row tile, kCudaRowTile)")
       ->delimiter(',');
   app.add_option("--tile-gemm-cols", tile_gemm_cols,
                  "hidden mode: column counts of the tile GEMMs timed alone (multiples of 8192; "
