@@ -130,6 +130,27 @@ def in_flight_rpcs(metrics_address):
     raise AssertionError("no logitserve_requests_in_flight in the server's metrics")
 
 
+def settled_rpcs(metrics_address, method, codes, quiet_s=1.0, timeout_s=15.0):
+    """{code: finished RPCs} once the server has no RPC in flight and the counts have not moved
+    for quiet_s. A client's cancelled calls can reach the server after it looked idle (their
+    headers still in the socket, or on a sender thread, when the client cancelled); counting
+    before they land would put them into whatever the caller measures next."""
+    import time
+    end = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while True:
+        idle = in_flight_rpcs(metrics_address) == 0
+        now = {k: finished_rpcs(metrics_address, method, k) for k in codes}
+        if not idle or now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        if time.monotonic() > end:
+            raise AssertionError("the server's %s counts did not settle in %.0f s: %s"
+                                 % (method, timeout_s, now))
+        time.sleep(0.05)
+
+
 def free_port():
     import socket
     with socket.socket() as s:
