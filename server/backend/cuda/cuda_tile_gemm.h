@@ -47,7 +47,8 @@ inline constexpr int64_t kCudaRowTile = 2048;
 inline constexpr int64_t kCudaVocabChunk = 8192;            // vocabulary ids per GEMM (4 blocks)
 inline constexpr size_t kCublasWorkspaceBytes = 32u << 20;  // NVIDIA's recommendation for Hopper
 // Row tiles for jobs of fewer rows than the full tile (a 64-row job would otherwise multiply 2048
-// rows), where cuBLASLt accepts the pinned algorithm for them (cublasLtMatmulAlgoCheck).
+// rows) and for a job's last, partial row tile, where cuBLASLt accepts the pinned algorithm for
+// them (cublasLtMatmulAlgoCheck).
 inline constexpr int64_t kCudaShortRowTiles[] = {128, 256, 512, 1024};
 
 // The shape of one tile GEMM: rows x cols, ld the output's leading dimension (>= cols). When cols

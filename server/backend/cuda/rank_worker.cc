@@ -318,6 +318,16 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
       const cudaStream_t on = GemmStreamOf(d);
       DeviceBuffer& workspace = OnStreamB(d) ? rank_.cublas_workspace_b : rank_.cublas_workspace;
       const size_t x_stride = static_cast<size_t>(plan_.tile_rows * head.k_pad);
+      // A job's last row tile multiplies only the shortest short tile that holds its rows (the
+      // same pinned algorithm: a row's bits do not depend on the GEMM's row count).
+      const int64_t rows_here = std::min(plan_.tile_rows, job_.rows - row0);
+      int64_t gemm_rows = plan_.tile_rows;
+      for (const int64_t t : kCudaShortRowTiles) {
+        if (t >= rows_here && t < gemm_rows && hs.gemm->Runs(t)) {
+          gemm_rows = t;
+          break;
+        }
+      }
       // One GEMM per kCudaVocabChunk chunk or per slot (the gemm's columns); the shard's padded
       // rows are whole chunks, so a last, narrower GEMM has whole chunks too.
       const int64_t step = hs.gemm->shape().cols;
@@ -327,8 +337,8 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
           for (int i = 0; i < head.parts; ++i) {
             const uint16_t* w = head.Part(rank_.index, i) + q * head.k_pad;
             if (auto s = hs.gemm->Run(rank_.lt.get(), w, d.x_parts + j * x_stride, slot + (q - cc0),
-                                      /*accumulate=*/(i | j) != 0, workspace.data(), on,
-                                      plan_.tile_rows, std::min(step, end - q));
+                                      /*accumulate=*/(i | j) != 0, workspace.data(), on, gemm_rows,
+                                      std::min(step, end - q));
                 !s.ok()) {
               return s;
             }
