@@ -272,10 +272,11 @@ int main(int argc, char** argv) {
                  "split-K (the backend pins the first with a preferred tile shape)");
   app.add_option("--hidden-configs", hidden_configs,
                  "hidden mode: also run the 1-GPU Score with these "
-                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN] "
+                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN] "
                  "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
                  "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2, cg = a GEMM per "
-                 "8192-id chunk: hidden_slot_gemms off, algN = hidden_gemm_candidate N)")
+                 "8192-id chunk: hidden_slot_gemms off, algN = hidden_gemm_candidate N, "
+                 "slotsN = hidden_slots N)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -614,33 +615,18 @@ int main(int argc, char** argv) {
 
     // host_inputs: the hidden states in pageable host memory, as the service hands them over
     // (copied per row tile), instead of resident on GPU 0.
-    // The fused kernel's configuration (CudaBackendOptions::hidden_fused*; off is the backend's
-    // default).
-    struct Fused {
-      bool on = false;
-      bool tiles = false;  // never fused (hidden_fused_max_hidden = 0)
-      std::string cluster = logitserve::CudaBackendOptions{}.hidden_fused_cluster;
-      int64_t tile_rows = 0;
+    // Every backend but the default one is configured by a function of its options.
+    using Configure = std::function<void(logitserve::CudaBackendOptions&)>;
+    // The cuBLASLt tiles at every hidden size (hidden_fused_max_hidden 0).
+    const Configure tiles_only = [](logitserve::CudaBackendOptions& o) {
+      o.hidden_fused_max_hidden = 0;
     };
-    Fused tiles_only;  // the cuBLASLt tiles at every hidden size
-    tiles_only.tiles = true;
     ScoreResult first_result;  // the default run's, to compare the other paths with
     auto run_backend = [&](std::vector<int> devs, const char* label, bool host_inputs,
-                           bool overlap = true, int stats_chunks = 0, int64_t row_tile = 0,
-                           Fused fused = Fused{}, int gemm_streams = 0, bool chunk_gemms = false,
-                           int gemm_candidate = -1) -> double {
+                           const Configure& configure = nullptr) -> double {
       logitserve::CudaBackendOptions options;
-      options.hidden_gemm_candidate = gemm_candidate;
-      if (chunk_gemms) options.hidden_slot_gemms = false;
-      if (gemm_streams > 0) options.hidden_gemm_streams = gemm_streams;
+      if (configure) configure(options);
       options.devices = devs;
-      options.overlap_hidden_gemms = overlap;
-      if (stats_chunks > 0) options.hidden_stats_chunks = stats_chunks;
-      options.hidden_row_tile = row_tile;
-      options.hidden_fused = fused.on;
-      if (fused.tiles) options.hidden_fused_max_hidden = 0;
-      options.hidden_fused_cluster = fused.cluster;
-      options.hidden_fused_tile_rows = fused.tile_rows;
       const double free_before = FreeDeviceBytes(0);
       auto backend = logitserve::CreateCudaBackend(options);
       if (!backend.ok()) {
@@ -807,42 +793,51 @@ int main(int argc, char** argv) {
     // tiles; then each path forced.
     const double one = run_backend({0}, "1 GPU", false);
     if (hidden <= logitserve::CudaBackendOptions{}.hidden_fused_max_hidden) {
-      run_backend({0}, "1 GPU, cuBLASLt tiles", false, true, 0, 0, tiles_only);
+      run_backend({0}, "1 GPU, cuBLASLt tiles", false, tiles_only);
     }
     for (const std::string& config : fused_configs) {
       // CLUSTER:ROWS
       const std::vector<std::string> f = absl::StrSplit(config, ':');
-      Fused fz;
-      fz.on = true;
-      if (f.size() != 2 || !absl::SimpleAtoi(f[1], &fz.tile_rows)) {
+      int64_t tile_rows = 0;
+      if (f.size() != 2 || !absl::SimpleAtoi(f[1], &tile_rows)) {
         std::fprintf(stderr, "--fused-configs: bad entry '%s'\n", config.c_str());
         return 1;
       }
-      fz.cluster = f[0];
       const std::string label = "1 GPU, fused, cluster " + f[0] + ", row tile " + f[1];
-      run_backend({0}, label.c_str(), false, true, 0, 0, fz);
+      run_backend({0}, label.c_str(), false, [&](logitserve::CudaBackendOptions& o) {
+        o.hidden_fused = true;
+        o.hidden_fused_cluster = f[0];
+        o.hidden_fused_tile_rows = tile_rows;
+      });
     }
 
     for (const std::string& config : hidden_configs) {
-      // ROWS:CHUNKS[:serial][:2s][:cg][:algN]
+      // ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
-      int64_t row_tile = 0;
-      int chunks = 0;
-      bool serial = false, bad = f.size() < 2 || f.size() > 6 ||
-                                 !absl::SimpleAtoi(f[0], &row_tile) ||
-                                 !absl::SimpleAtoi(f[1], &chunks);
-      int streams = 1;  // ":2s" for two
-      bool chunk_gemms = false;
-      int gemm_candidate = -1;  // ":algN": hidden_gemm_candidate N
-      for (size_t i = 2; i < f.size(); ++i) {
+      logitserve::CudaBackendOptions c;
+      c.hidden_fused_max_hidden = 0;
+      c.hidden_gemm_streams = 1;  // ":2s" for two
+      std::string label;
+      bool bad = f.size() < 2 || !absl::SimpleAtoi(f[0], &c.hidden_row_tile) ||
+                 !absl::SimpleAtoi(f[1], &c.hidden_stats_chunks);
+      for (size_t i = 2; i < f.size() && !bad; ++i) {
+        int n = 0;
         if (f[i] == "serial") {
-          serial = true;
+          c.overlap_hidden_gemms = false;
+          label += ", GEMMs on the statistics stream";
         } else if (f[i] == "2s") {
-          streams = 2;
+          c.hidden_gemm_streams = 2;
+          label += ", two GEMM streams";
         } else if (f[i] == "cg") {
-          chunk_gemms = true;
-        } else if (absl::StartsWith(f[i], "alg") &&
-                   absl::SimpleAtoi(f[i].substr(3), &gemm_candidate) && gemm_candidate >= 0) {
+          c.hidden_slot_gemms = false;
+          label += ", a GEMM per 8192 ids";
+        } else if (absl::StartsWith(f[i], "alg") && absl::SimpleAtoi(f[i].substr(3), &n) &&
+                   n >= 0) {
+          c.hidden_gemm_candidate = n;
+          label += ", cuBLASLt candidate " + std::to_string(n);
+        } else if (absl::StartsWith(f[i], "slots") && absl::SimpleAtoi(f[i].substr(5), &n)) {
+          c.hidden_slots = n;
+          label += ", " + std::to_string(n) + " slots";
         } else {
           bad = true;
         }
@@ -851,18 +846,19 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--hidden-configs: bad entry '%s'\n", config.c_str());
         return 1;
       }
-      const std::string label =
-          "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] +
-          (serial ? ", GEMMs on the statistics stream" : "") +
-          (streams == 2 ? ", two GEMM streams" : "") +
-          (chunk_gemms ? ", a GEMM per 8192 ids" : "") +
-          (gemm_candidate >= 0 ? ", cuBLASLt candidate " + std::to_string(gemm_candidate) : "");
-      run_backend({0}, label.c_str(), false, /*overlap=*/!serial, chunks, row_tile, tiles_only,
-                  streams, chunk_gemms, gemm_candidate);
+      label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] + label;
+      run_backend({0}, label.c_str(), false, [c](logitserve::CudaBackendOptions& o) {
+        const std::vector<int> devices = o.devices;
+        o = c;
+        o.devices = devices;
+      });
     }
     if (!hidden_configs.empty()) {
-      run_backend({0}, "1 GPU, GEMMs on the statistics stream", false, /*overlap=*/false, 0, 0,
-                  tiles_only);
+      run_backend({0}, "1 GPU, GEMMs on the statistics stream", false,
+                  [](logitserve::CudaBackendOptions& o) {
+                    o.hidden_fused_max_hidden = 0;
+                    o.overlap_hidden_gemms = false;
+                  });
     }
     run_backend({0}, "1 GPU, host hidden states", true);
     if (devices >= 2) {

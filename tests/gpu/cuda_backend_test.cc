@@ -777,7 +777,8 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
 // (the GEMMs fill two alternating logits tiles on their own stream without one, keep every chunk
 // of the row tile with one), also with both distributions' GEMMs on one stream
-// (hidden_gemm_streams 1; by default the reference's have their own). V = 20000: three
+// (hidden_gemm_streams 1; by default the reference's have their own) and with three logits slots
+// (hidden_slots 3). V = 20000: three
 // GEMM chunks per row tile, so a tile reuses a logits slot; N = 4200: three row tiles of 2048
 // (the last short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
@@ -798,6 +799,13 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
                                      o.hidden_fused_max_hidden = 0;
                                      o.devices = {0};
                                      o.hidden_gemm_streams = 1;
+                                     return CreateCudaBackend(o);
+                                   }});
+  layouts.push_back(BackendFactory{"one_gpu_three_slots", [] {
+                                     CudaBackendOptions o;
+                                     o.hidden_fused_max_hidden = 0;
+                                     o.devices = {0};
+                                     o.hidden_slots = 3;
                                      return CreateCudaBackend(o);
                                    }});
   if (VisibleCudaDevices() >= 2) layouts.push_back(CudaDevicesFactory("two_gpus", {0, 1}));
@@ -1184,6 +1192,11 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
     algo.hidden_gemm_candidate = candidate;
     EXPECT_EQ(CreateCudaBackend(algo).status().code(), absl::StatusCode::kInvalidArgument)
         << candidate;
+  }
+  for (int slots : {1, 5}) {
+    CudaBackendOptions o;
+    o.hidden_slots = slots;
+    EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kInvalidArgument) << slots;
   }
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);

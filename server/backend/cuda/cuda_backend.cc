@@ -268,6 +268,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   }
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());
   p.overlap_gemms = options_.overlap_hidden_gemms;
+  p.hidden_slots = options_.hidden_slots;
   p.two_gemm_streams = p.overlap_gemms && options_.hidden_gemm_streams == 2 && p.pair &&
                        job.model.hidden_mode() && job.reference.hidden_mode();
   int64_t widest = 0;
@@ -575,6 +576,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   }
   if (options.hidden_gemm_streams != 1 && options.hidden_gemm_streams != 2) {
     return absl::InvalidArgumentError("hidden_gemm_streams must be 1 or 2");
+  }
+  if (options.hidden_slots < 2 || options.hidden_slots > cuda_internal::Rank::kMaxHiddenSlots) {
+    return absl::InvalidArgumentError("hidden_slots must be in [2, 4]");
   }
   if (options.hidden_gemm_candidate < -1 || options.hidden_gemm_candidate > 31) {
     return absl::InvalidArgumentError("hidden_gemm_candidate must be in [-1, 31]");

@@ -111,6 +111,11 @@ struct CudaBackendOptions {
   // --hidden-configs 1024:2,1024:2:2s): H 2048 18.65-18.84 ms against 19.20-19.81, H 4096
   // 31.96-32.15 against 32.39-35.29. The same kernels read the same inputs: the bits do not change.
   int hidden_gemm_streams = 2;
+  // Hidden mode, cuBLASLt tiles: logits slots per distribution that the GEMMs fill in turn (chunk
+  // g in slot g % hidden_slots), in [2, 4]. With two, chunk g + 2's GEMMs wait until the
+  // statistics of chunk g are done; a third lets them start beside those statistics. Each slot is
+  // row tile x hidden_stats_chunks x 8192 x 4 bytes per distribution. Never changes a result.
+  int hidden_slots = 2;
   // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
   // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
   // algorithm on fewer columns) rather than one per kCudaVocabChunk chunk: fewer, larger GEMMs,

@@ -37,7 +37,7 @@ class JobTrace {
     std::chrono::steady_clock::time_point host;
     cudaEvent_t event;  // nullptr: host mark
   };
-  static constexpr int kMaxEntries = 256;
+  static constexpr int kMaxEntries = 512;
   std::chrono::steady_clock::time_point start_;
   std::vector<cudaEvent_t> pool_;
   std::vector<Entry> entries_;

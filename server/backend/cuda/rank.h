@@ -73,18 +73,20 @@ struct Rank {
   int device = 0;
   // `stream` (high priority) runs everything but hidden mode's GEMMs: statistics, collectives,
   // folds, copies. `gemm_stream` runs hidden mode's row-tile inputs and GEMMs, so the statistics
-  // of chunk c overlap the GEMMs of chunk c + 1 (double-buffered logits slots, events below).
+  // of chunk c overlap the GEMMs of chunk c + 1 (JobPlan::hidden_slots logits slots, events
+  // below; chunk g of a job uses slot g % hidden_slots).
   CudaStream stream;
   CudaStream gemm_stream;
-  std::array<CudaEvent, 2> slot_filled;  // gemm_stream: chunk g's logits are in slot g % 2
-  std::array<CudaEvent, 2> slot_free;    // stream: chunk g's readers are done with slot g % 2
-  CudaEvent slots_released;              // stream: JSD pass done with the tile's kept chunks
-  CudaEvent gemm_idle;                   // joins gemm_stream into stream
-  CudaEvent uploaded;                    // gemm_stream: the job's set-up copies are done
+  static constexpr int kMaxHiddenSlots = 4;
+  std::array<CudaEvent, kMaxHiddenSlots> slot_filled;  // gemm_stream: chunk g's logits are in place
+  std::array<CudaEvent, kMaxHiddenSlots> slot_free;    // stream: chunk g's readers are done
+  CudaEvent slots_released;  // stream: JSD pass done with the tile's kept chunks
+  CudaEvent gemm_idle;       // joins gemm_stream into stream
+  CudaEvent uploaded;        // gemm_stream: the job's set-up copies are done
   // CudaBackendOptions::hidden_gemm_streams = 2: the reference distribution's row-tile inputs
   // and GEMMs on their own stream (beside the policy's), with their own events and workspace.
   CudaStream gemm_stream_b;
-  std::array<CudaEvent, 2> slot_filled_b;
+  std::array<CudaEvent, kMaxHiddenSlots> slot_filled_b;
   CudaEvent gemm_idle_b;
   // Logits mode's row-tile pipeline (RankWorker::ComputeTile): the statistics of tile t run on
   // stats_streams[t % 2] (low priority) into message slot t % 2 while `stream` runs the tail of

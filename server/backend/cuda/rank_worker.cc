@@ -42,13 +42,14 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
       off[1] = carver.Add(bufs * d.raw_bytes);
       off[2] = carver.Add(bufs * d.x_elems * sizeof(uint16_t));
       // JSD's second pass reads the tile's logits again: keep every chunk rather than recompute.
-      // Otherwise two slots: the GEMMs fill one while the statistics read the other. Fused: two
+      // Otherwise JobPlan::hidden_slots: the GEMMs fill one while the statistics read another.
+      // Fused: two
       // slots of the whole shard when top-k or JSD read the logits again (tile t in slot t % 2),
       // else none.
       if (plan_.fused) {
         d.n_slots = plan_.fused_logits ? 2 : 0;
       } else {
-        d.n_slots = plan_.jsd_pass ? num_chunks_ : 2;
+        d.n_slots = plan_.jsd_pass ? num_chunks_ : plan_.hidden_slots;
       }
       off[3] = carver.Add(static_cast<size_t>(d.n_slots) * rows *
                           static_cast<size_t>(plan_.chunk_cols) * sizeof(float));

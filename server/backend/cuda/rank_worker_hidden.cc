@@ -7,6 +7,7 @@
 
 #include "common/base/status_macros.h"
 #include "server/backend/cuda/cuda_status.h"
+#include "server/backend/cuda/job_trace.h"
 #include "server/backend/cuda/rank_worker.h"
 
 namespace logitserve::cuda_internal {
@@ -60,8 +61,9 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
 
 absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   const kc::TileMessage& m = plan_.msg;
-  // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % 2:
-  // its GEMMs wait until the statistics of chunk g - 2 are done with that slot, and its statistics
+  // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % n
+  // (n = JobPlan::hidden_slots): its GEMMs wait until the statistics of chunk g - n are done with
+  // that slot, and its statistics
   // wait until its GEMMs are done. With a JSD pass every chunk of the tile keeps its own slot until
   // the pass, so the tile's GEMMs wait for the previous tile's pass instead. Both streams' order
   // and every kernel's inputs are those of one stream: the bits do not change.
@@ -93,9 +95,10 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   bool cleared = false;  // the uploads are issued and the top-k counts cleared (below)
   for (int64_t c = 0; c < num_chunks_; ++c) {
     const int64_t g = chunk_seq_++;
-    const size_t e = static_cast<size_t>(g % 2);
-    const int64_t slot = plan_.jsd_pass ? c : g % 2;
-    if (split && !plan_.jsd_pass && g >= 2) {
+    const int64_t n = plan_.hidden_slots;
+    const size_t e = static_cast<size_t>(g % n);
+    const int64_t slot = plan_.jsd_pass ? c : g % n;
+    if (split && !plan_.jsd_pass && g >= n) {
       LOGITSERVE_RETURN_IF_ERROR(wait(gemm_stream(), rank_.slot_free[e]));
       if (two) LOGITSERVE_RETURN_IF_ERROR(wait(stream_b, rank_.slot_free[e]));
     }
@@ -105,6 +108,8 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
     if (plan_.pair) {
       LOGITSERVE_ASSIGN_OR_RETURN(b, Source(ref_, c, row0, /*compute=*/true, slot));
     }
+    JobTrace::Mark("chunk GEMMs a end", gemm_stream());
+    if (two) JobTrace::Mark("chunk GEMMs b end", stream_b);
     if (split) {
       LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_filled[e], gemm_stream()));
       LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.slot_filled[e]));
@@ -138,6 +143,7 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
           a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
     }
+    JobTrace::Mark("chunk stats end", stream());
     if (split && !plan_.jsd_pass) {
       LOGITSERVE_RETURN_IF_ERROR(record(rank_.slot_free[e], stream()));
     }
