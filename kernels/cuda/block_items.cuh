@@ -149,21 +149,62 @@ __device__ __forceinline__ void PairItem(const DeviceSource& a, const DeviceSour
   if (lane == 0) stats[row * stats_ld + stats_offset + blk] = out;
 }
 
+// The target logits of `row` that lie in block `blk` of an fp32 source, from the lane values
+// after TransformInPlace: for each id, the lane that holds it writes it. Full blocks without a
+// transform tail add 0 where TransformOne selects +0 for a zero: the same bits for every number
+// (a NaN's payload aside, and a NaN logit fails the row). Ids outside the block, the source's
+// columns or negative (ignore_index) are left to other blocks and shards.
+struct BlockTargets {
+  const int32_t* ids = nullptr;  // null: no targets
+  int32_t ids_per_row = 0;
+  float* targets = nullptr;
+  int64_t col0 = 0;  // global id of the source's column 0
+  __device__ __forceinline__ void Write(const DeviceSource& a, int64_t row, int64_t blk, int lane,
+                                        const LaneBlock<FloatType::kFloat32>& v) const {
+    const int64_t c0 = blk * kVocabBlock;
+    for (int32_t q = 0; q < ids_per_row; ++q) {
+      const int64_t i = row * ids_per_row + q;
+      const int64_t c = static_cast<int64_t>(ids[i]) - col0;  // the source's column
+      const int64_t d = c - c0;
+      // Uniform over the warp (every lane reads the same id).
+      if (d < 0 || d >= static_cast<int64_t>(kVocabBlock) || c >= a.cols) continue;
+      if (static_cast<int>((d >> 3) & 31) != lane) continue;
+      const int jj = static_cast<int>(d >> 8), ee = static_cast<int>(d & 7);
+      float x = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kLaneChunks; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (j == jj && e == ee) x = v.Value(j, e);  // selects: no indexed register array
+        }
+      }
+      targets[i] = x;
+    }
+  }
+};
+
 // What a (row, block) kernel computes per item, given the lanes' loaded values.
 struct StatsOp {
   PairBlockStats* stats;
   int64_t stats_ld;
   int64_t stats_offset;
+  BlockTargets targets;  // fp32 `a` only (LaunchBlockStats checks)
   template <FloatType TA>
   __device__ __forceinline__ void operator()(const DeviceSource& a, int64_t row, int64_t blk,
                                              int lane, LaneBlock<TA>& va) const {
     SingleItem(a, row, blk, lane, va, stats, stats_ld, stats_offset);
+    if constexpr (TA == FloatType::kFloat32) {
+      if (targets.ids != nullptr) targets.Write(a, row, blk, lane, va);
+    }
   }
   template <FloatType TA, FloatType TB>
   __device__ __forceinline__ void operator()(const DeviceSource& a, const DeviceSource& b,
                                              int64_t row, int64_t blk, int lane, LaneBlock<TA>& va,
                                              LaneBlock<TB>& vb) const {
     PairItem(a, b, row, blk, lane, va, vb, stats, stats_ld, stats_offset);
+    if constexpr (TA == FloatType::kFloat32) {
+      if (targets.ids != nullptr) targets.Write(a, row, blk, lane, va);
+    }
   }
 };
 

@@ -142,7 +142,7 @@ cudaError_t LaunchOnSources(const LogitsSource& a, const LogitsSource* b, int64_
 
 cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64_t rows,
                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const TargetsOut& targets) {
   const int64_t blocks = a.blocks();
   if (rows <= 0 || blocks <= 0) return cudaSuccess;
   if (GridTooLarge(rows, blocks)) return cudaErrorInvalidConfiguration;
@@ -150,7 +150,13 @@ cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64
     return cudaErrorInvalidValue;
   }
   if (!Supported(a) || (b != nullptr && !Supported(*b))) return cudaErrorInvalidValue;
-  const StatsOp op{stats, stats_ld, stats_offset};
+  StatsOp op{stats, stats_ld, stats_offset, {}};
+  if (targets.ids_per_row > 0 && a.cols > 0) {
+    if (a.type != FloatType::kFloat32 || targets.ids == nullptr || targets.targets == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+    op.targets = detail::BlockTargets{targets.ids, targets.ids_per_row, targets.targets, a.col0};
+  }
   return LaunchOnSources(a, b, rows, op, stream);
 }
 

@@ -298,6 +298,78 @@ TEST_F(CudaKernels, GatherTargets) {
   }
 }
 
+// The statistics kernel's own target logits (LaunchBlockStats with TargetsOut, fp32 sources: hidden
+// mode's GEMM output) are LaunchGatherTargets's, bit for bit, single and pair, with and without a
+// transform tail (bias, softcap, temperature), over a source whose last block is partial, with a
+// -0 logit, ignore_index and ids of another shard; and the records do not change.
+TEST_F(CudaKernels, BlockStatsWriteTheGatheredTargets) {
+  std::vector<float> model = model_;
+  model[3 * kV + 2048 + 5] = -0.0f;  // row 3, the source's column 5
+  DeviceArray<float> dm(model);
+  DeviceArray<float> dr(ref_);
+  std::vector<float> bias(kV);
+  for (int64_t c = 0; c < kV; ++c)
+    bias[static_cast<size_t>(c)] = 0.01f * static_cast<float>(c % 17);
+  DeviceArray<float> dbias(bias);
+  // Two ids a row: one per row in the source's full block, its partial block or elsewhere.
+  const int32_t per_row = 2;
+  std::vector<int32_t> ids;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int32_t pick[][2] = {{2053, 4999}, {0, 4096},    {-100, 3000}, {2053, 2048},
+                               {4500, 100},  {2047, 4095}, {2049, -100}};
+    ids.push_back(pick[r][0]);
+    ids.push_back(pick[r][1]);
+  }
+  DeviceArray<int32_t> dids(ids);
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE("transform variant " + std::to_string(variant));
+    // A source holding ids [2048, 5000) (a second shard's view): blocks of 2048 and 904 ids.
+    auto source = [&](const float* data) {
+      kc::LogitsSource src = SourceOf(data + 2048, k::FloatType::kFloat32, 2048, kV - 2048);
+      src.transform.head = true;
+      if (variant >= 1) src.transform.bias = dbias.get() + 2048;
+      if (variant == 2) {
+        src.transform.softcap = 30.0f;
+        src.transform.temperature = 0.7f;
+      }
+      return src;
+    };
+    const kc::LogitsSource a = source(dm.get());
+    const kc::LogitsSource b = source(dr.get());
+    const int64_t blocks = a.blocks();
+    for (bool pair : {false, true}) {
+      SCOPED_TRACE(pair ? "pair" : "single");
+      const std::vector<float> init(ids.size(), 123.0f);
+      DeviceArray<float> gathered(init), fused(init);
+      DeviceArray<k::PairBlockStats> plain(kRows * blocks), with(kRows * blocks);
+      ASSERT_CUDA(kc::LaunchGatherTargets(a, kRows, dids.get(), per_row, gathered.get(), nullptr));
+      ASSERT_CUDA(
+          kc::LaunchBlockStats(a, pair ? &b : nullptr, kRows, plain.get(), blocks, 0, nullptr));
+      ASSERT_CUDA(kc::LaunchBlockStats(a, pair ? &b : nullptr, kRows, with.get(), blocks, 0,
+                                       nullptr, kc::TargetsOut{dids.get(), per_row, fused.get()}));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<float> g = gathered.ToHost(), f = fused.ToHost();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        SCOPED_TRACE("entry " + std::to_string(i) + " id " + std::to_string(ids[i]));
+        EXPECT_TRUE(SameBits(f[i], g[i])) << Bits(f[i]) << " vs " << Bits(g[i]);
+        EXPECT_EQ(f[i] == 123.0f, ids[i] < 2048) << "written iff the source holds the id";
+      }
+      EXPECT_TRUE(SameBits(f[6], 0.0f) || variant > 0) << "-0 reads as +0: " << Bits(f[6]);
+      const std::vector<k::PairBlockStats> p = plain.ToHost(), w = with.ToHost();
+      EXPECT_EQ(std::memcmp(p.data(), w.data(), p.size() * sizeof(p[0])), 0);
+    }
+  }
+  // A 16-bit source cannot write targets (its values are not transformed in place).
+  const HostMatrix hm = Encode(k::FloatType::kBFloat16, kRows, kV, model_);
+  DeviceArray<uint8_t> d16(hm.bytes);
+  DeviceArray<k::PairBlockStats> rec(kRows * 3);
+  DeviceArray<float> out(ids.size());
+  EXPECT_EQ(kc::LaunchBlockStats(SourceOf(d16.get(), k::FloatType::kBFloat16, 0, kV), nullptr,
+                                 kRows, rec.get(), 3, 0, nullptr,
+                                 kc::TargetsOut{dids.get(), per_row, out.get()}),
+            cudaErrorInvalidValue);
+}
+
 // Row r of a one-source (g, c) and a two-source (g2, c2) GPU top-k result equals the CPU's list
 // `want` of `count` entries, bit for bit.
 void ExpectListsEqualCpu(const std::vector<k::TopKEntry>& g, const std::vector<int32_t>& c,

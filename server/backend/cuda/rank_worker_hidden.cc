@@ -120,6 +120,10 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
     }
     const int64_t local_block = c * plan_.chunk_cols / k::kVocabBlock;
     const kc::LogitsSource* ref = plan_.pair ? &b : nullptr;
+    if (c == 0) {  // the statistics read the target ids (and the top-k counts start at zero)
+      cleared = true;
+      LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
+    }
     if (job_.top_k > 0) {
       // Only the top-k counts need a defined start: every statistics record and every target
       // logit the fold reads is written by this tile's kernels (a target id is read from the
@@ -132,14 +136,15 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
                                                                local_block, job_.top_k, lists,
                                                                counts, topk_scratch_[0], stream()));
     } else {
+      // The statistics kernel also writes the target logits (no gather launch a chunk).
+      kc::TargetsOut out;
+      if (job_.ids_per_row > 0) {
+        out = kc::TargetsOut{ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets};
+      }
       LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream()));
+          kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream(), out));
     }
-    if (c == 0) {
-      cleared = true;
-      LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
-    }
-    if (job_.ids_per_row > 0) {
+    if (job_.ids_per_row > 0 && job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
           a, rows, ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets, stream()));
     }

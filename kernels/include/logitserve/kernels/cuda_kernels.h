@@ -67,13 +67,23 @@ struct LogitsSource {
   int64_t blocks() const { return (cols + kVocabBlock - 1) / kVocabBlock; }
 };
 
+// Target ids whose logits a statistics launch also writes (LaunchGatherTargets's outputs, from
+// the values it loads anyway). `ids` are tile-local, as for LaunchGatherTargets.
+struct TargetsOut {
+  const int32_t* ids = nullptr;
+  int32_t ids_per_row = 0;
+  float* targets = nullptr;
+};
+
 // Block statistics of `rows` rows over every block of `a` (and `b`, when not null: the pair
 // statistics with KL cross terms and support-mismatch flags, both distributions over the same
 // ids). Record of (row r, source block j) goes to stats[r * stats_ld + stats_offset + j].
-// Single mode writes b = EmptyBlockStats() and zero cross terms.
+// Single mode writes b = EmptyBlockStats() and zero cross terms. With `targets` (fp32 sources
+// only, e.g. hidden mode's GEMM output), also what LaunchGatherTargets(a, rows, ...) writes, bit
+// for bit, without its launch.
 cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64_t rows,
                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
-                             cudaStream_t stream);
+                             cudaStream_t stream, const TargetsOut& targets = {});
 
 // For every row r < rows and j < ids_per_row whose id = ids[r * ids_per_row + j] lies in the
 // source's columns: targets[r * ids_per_row + j] = the logit z (after the transform). Other
