@@ -775,12 +775,12 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 
 // Hidden states in pageable host memory (staged through pinned buffers), in pinned host memory
 // and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
-// (the GEMMs fill two alternating logits tiles on their own stream without one, keep every chunk
-// of the row tile with one), also with both distributions' GEMMs on one stream
-// (hidden_gemm_streams 1; by default the reference's have their own) and with three logits slots
-// (hidden_slots 3). V = 20000: three
-// GEMM chunks per row tile, so a tile reuses a logits slot; N = 4200: three row tiles of 2048
-// (the last short), so slots and pinned buffers are reused across tiles.
+// (the GEMMs fill the logits slots in turn on their own stream without one, keep every chunk of
+// the row tile with one), also with both distributions' GEMMs on one stream (hidden_gemm_streams
+// 1; by default the reference's have their own) and with two or three logits slots (hidden_slots;
+// one by default). V = 20000: three GEMM chunks per row tile (two slots of two chunks by default),
+// so a tile reuses a logits slot; N = 4200: three row tiles of 2048 (the last short), so slots and
+// pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   constexpr int64_t kVocab = 20000, kH = 96, kN = 4200;
   static_assert(kN > 2 * kCudaRowTile && kN < 3 * kCudaRowTile);
@@ -801,13 +801,15 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
                                      o.hidden_gemm_streams = 1;
                                      return CreateCudaBackend(o);
                                    }});
-  layouts.push_back(BackendFactory{"one_gpu_three_slots", [] {
-                                     CudaBackendOptions o;
-                                     o.hidden_fused_max_hidden = 0;
-                                     o.devices = {0};
-                                     o.hidden_slots = 3;
-                                     return CreateCudaBackend(o);
-                                   }});
+  for (int slots : {2, 3}) {
+    layouts.push_back(BackendFactory{"one_gpu_slots_" + std::to_string(slots), [slots] {
+                                       CudaBackendOptions o;
+                                       o.hidden_fused_max_hidden = 0;
+                                       o.devices = {0};
+                                       o.hidden_slots = slots;
+                                       return CreateCudaBackend(o);
+                                     }});
+  }
   if (VisibleCudaDevices() >= 2) layouts.push_back(CudaDevicesFactory("two_gpus", {0, 1}));
   void* pinned_m = nullptr;
   void* pinned_r = nullptr;
@@ -1193,7 +1195,7 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
     EXPECT_EQ(CreateCudaBackend(algo).status().code(), absl::StatusCode::kInvalidArgument)
         << candidate;
   }
-  for (int slots : {1, 5}) {
+  for (int slots : {0, 5}) {
     CudaBackendOptions o;
     o.hidden_slots = slots;
     EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kInvalidArgument) << slots;

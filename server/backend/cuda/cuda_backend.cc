@@ -577,8 +577,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   if (options.hidden_gemm_streams != 1 && options.hidden_gemm_streams != 2) {
     return absl::InvalidArgumentError("hidden_gemm_streams must be 1 or 2");
   }
-  if (options.hidden_slots < 2 || options.hidden_slots > cuda_internal::Rank::kMaxHiddenSlots) {
-    return absl::InvalidArgumentError("hidden_slots must be in [2, 4]");
+  if (options.hidden_slots < 1 || options.hidden_slots > cuda_internal::Rank::kMaxHiddenSlots) {
+    return absl::InvalidArgumentError("hidden_slots must be in [1, 4]");
   }
   if (options.hidden_gemm_candidate < -1 || options.hidden_gemm_candidate > 31) {
     return absl::InvalidArgumentError("hidden_gemm_candidate must be in [-1, 31]");

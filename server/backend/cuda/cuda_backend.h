@@ -101,9 +101,12 @@ struct CudaBackendOptions {
   // (logitserve-kernel-bench --hidden-configs), cuBLASLt's first-choice tiles: H 4096, row tile
   // 1024 with 2 chunks 31.8 ms (306 MB of workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512
   // with 4 chunks 33.4, 8: 34.5; row tile 2048 with 1-2 chunks 33.2-33.5. With the preferred
-  // 168 x 128 tiles, row tile 2048 with one chunk is the default (kCudaRowTile says why). Never
-  // changes a result (the statistics are per block).
-  int hidden_stats_chunks = 1;
+  // 168 x 128 tiles, row tile 2048; two chunks a slot with one slot (hidden_slots) is the
+  // default: the same 64 MB a distribution as one chunk in each of two slots, and fewer, larger
+  // GEMMs and statistics launches taking turns (H200, H 2048: 16.70 / 16.75 ms against 17.37 /
+  // 17.49; H 4096 32.33 / 32.51 against 32.62 / 33.12; docs/PERFORMANCE.md). Never changes a
+  // result (the statistics are per block).
+  int hidden_stats_chunks = 2;
   // Hidden mode with overlap_hidden_gemms, both distributions' hidden states: 2 = the reference
   // distribution's GEMMs on a stream of their own, beside the policy's, so that each chunk's two
   // GEMMs fill each other's last wave (one more 32 MiB cuBLASLt workspace per rank); 1 = both on
@@ -112,10 +115,15 @@ struct CudaBackendOptions {
   // 31.96-32.15 against 32.39-35.29. The same kernels read the same inputs: the bits do not change.
   int hidden_gemm_streams = 2;
   // Hidden mode, cuBLASLt tiles: logits slots per distribution that the GEMMs fill in turn (chunk
-  // g in slot g % hidden_slots), in [2, 4]. With two, chunk g + 2's GEMMs wait until the
-  // statistics of chunk g are done; a third lets them start beside those statistics. Each slot is
-  // row tile x hidden_stats_chunks x 8192 x 4 bytes per distribution. Never changes a result.
-  int hidden_slots = 2;
+  // g in slot g % hidden_slots), in [1, 4]. With two, chunk g + 2's GEMMs wait until the
+  // statistics of chunk g are done; a third lets them start beside those statistics; with one,
+  // the GEMMs and the statistics take turns. Each slot is row tile x hidden_stats_chunks x 8192 x
+  // 4 bytes per distribution. The job trace (LOGITSERVE_CUDA_TRACE) showed why overlap buys
+  // nothing: cuBLASLt's GEMMs hold every SM, so the statistics of one slot run between the next
+  // slot's GEMMs anyway (H200, H 2048, 2048-row slots: one chunk every 217-221 us overlapped,
+  // against 180 us of GEMMs + 50 us of statistics taking turns). With one slot of two chunks the
+  // turns are half as many. Three slots: no gain. Never changes a result.
+  int hidden_slots = 1;
   // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
   // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
   // algorithm on fewer columns) rather than one per kCudaVocabChunk chunk: fewer, larger GEMMs,
