@@ -118,11 +118,11 @@ struct CudaBackendOptions {
   // g in slot g % hidden_slots), in [1, 4]. With two, chunk g + 2's GEMMs wait until the
   // statistics of chunk g are done; a third lets them start beside those statistics; with one,
   // the GEMMs and the statistics take turns. Each slot is row tile x hidden_stats_chunks x 8192 x
-  // 4 bytes per distribution. The job trace (LOGITSERVE_CUDA_TRACE) showed why overlap buys
-  // nothing: cuBLASLt's GEMMs hold every SM, so the statistics of one slot run between the next
-  // slot's GEMMs anyway (H200, H 2048, 2048-row slots: one chunk every 217-221 us overlapped,
-  // against 180 us of GEMMs + 50 us of statistics taking turns). With one slot of two chunks the
-  // turns are half as many. Three slots: no gain. Never changes a result.
+  // 4 bytes per distribution. The job trace (LOGITSERVE_CUDA_TRACE) showed the overlap buying
+  // little: a slot's statistics end just before the next slot's GEMMs (H200, H 2048, 2048-row
+  // slots: one chunk every 217-221 us with two slots, against 180 us of GEMMs + 50 us of
+  // statistics taking turns on one stream). With one slot of two chunks the turns are half as
+  // many. Three slots: no gain. Never changes a result.
   int hidden_slots = 1;
   // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
   // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
