@@ -75,7 +75,7 @@ struct JobPlan {
   // (CudaBackendOptions::hidden_gemm_streams).
   bool two_gemm_streams = false;
   // Logits slots per distribution of the cuBLASLt-tile path (CudaBackendOptions::hidden_slots).
-  int hidden_slots = 2;
+  int hidden_slots = 1;
   int64_t tile_rows = 0;  // rows per tile (the last tile may hold fewer)
   // Vocabulary columns per statistics launch (hidden mode: the slot width, a whole number of GEMM
   // chunks, CudaBackendOptions::hidden_stats_chunks).

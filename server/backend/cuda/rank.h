@@ -72,9 +72,9 @@ struct Rank {
   int index = 0;
   int device = 0;
   // `stream` (high priority) runs everything but hidden mode's GEMMs: statistics, collectives,
-  // folds, copies. `gemm_stream` runs hidden mode's row-tile inputs and GEMMs, so the statistics
-  // of chunk c overlap the GEMMs of chunk c + 1 (JobPlan::hidden_slots logits slots, events
-  // below; chunk g of a job uses slot g % hidden_slots).
+  // folds, copies. `gemm_stream` runs hidden mode's row-tile inputs and GEMMs, so that with more
+  // than one logits slot (JobPlan::hidden_slots; chunk g of a job uses slot g % hidden_slots,
+  // events below) the statistics of chunk c may overlap the GEMMs of chunk c + 1.
   CudaStream stream;
   CudaStream gemm_stream;
   static constexpr int kMaxHiddenSlots = 4;
