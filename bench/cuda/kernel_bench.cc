@@ -847,11 +847,8 @@ int main(int argc, char** argv) {
         return 1;
       }
       label = "1 GPU, row tile " + f[0] + ", stats chunks " + f[1] + label;
-      run_backend({0}, label.c_str(), false, [c](logitserve::CudaBackendOptions& o) {
-        const std::vector<int> devices = o.devices;
-        o = c;
-        o.devices = devices;
-      });
+      // (run_backend sets the devices after this.)
+      run_backend({0}, label.c_str(), false, [c](logitserve::CudaBackendOptions& o) { o = c; });
     }
     if (!hidden_configs.empty()) {
       run_backend({0}, "1 GPU, GEMMs on the statistics stream", false,
