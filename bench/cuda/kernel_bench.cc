@@ -815,7 +815,7 @@ int main(int argc, char** argv) {
       // ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
       logitserve::CudaBackendOptions c;
-      c.hidden_fused_max_hidden = 0;
+      tiles_only(c);
       c.hidden_gemm_streams = 1;  // ":2s" for two
       std::string label;
       bool bad = f.size() < 2 || !absl::SimpleAtoi(f[0], &c.hidden_row_tile) ||
@@ -852,8 +852,8 @@ int main(int argc, char** argv) {
     }
     if (!hidden_configs.empty()) {
       run_backend({0}, "1 GPU, GEMMs on the statistics stream", false,
-                  [](logitserve::CudaBackendOptions& o) {
-                    o.hidden_fused_max_hidden = 0;
+                  [&](logitserve::CudaBackendOptions& o) {
+                    tiles_only(o);
                     o.overlap_hidden_gemms = false;
                   });
     }

@@ -43,9 +43,8 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
       off[2] = carver.Add(bufs * d.x_elems * sizeof(uint16_t));
       // JSD's second pass reads the tile's logits again: keep every chunk rather than recompute.
       // Otherwise JobPlan::hidden_slots: the GEMMs fill one while the statistics read another.
-      // Fused: two
-      // slots of the whole shard when top-k or JSD read the logits again (tile t in slot t % 2),
-      // else none.
+      // Fused: two slots of the whole shard when top-k or JSD read the logits again (tile t in
+      // slot t % 2), else none.
       if (plan_.fused) {
         d.n_slots = plan_.fused_logits ? 2 : 0;
       } else {
