@@ -941,6 +941,15 @@ TEST(CudaTileGemmTest, FewerColumnsAndRowsKeepEveryElementsBits) {
     EXPECT_EQ(diff, 0);
   }
   EXPECT_GT(short_tiles, 0) << g.description();
+  // RowsFor: an accepted row count that holds n, with no shorter accepted one that does.
+  for (const int64_t n : {int64_t{1}, int64_t{128}, int64_t{129}, int64_t{700}, kRows - 1, kRows}) {
+    const int64_t rows = g.RowsFor(n);
+    EXPECT_GE(rows, n);
+    EXPECT_TRUE(g.Runs(rows)) << rows;
+    for (const int64_t t : kCudaShortRowTiles) {
+      if (t >= n && t < rows) EXPECT_FALSE(g.Runs(t)) << n << " rows fit the accepted " << t;
+    }
+  }
   // Sampled elements against fp64: fp32 sums of exact products, |error| <= k u sum |w x|, twice
   // that since the tensor cores' additions may truncate rather than round.
   auto value = [](const HostMatrix& m, int64_t i) {

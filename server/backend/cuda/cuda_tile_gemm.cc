@@ -178,6 +178,13 @@ bool CudaTileGemm::Runs(int64_t rows) const {
   return false;
 }
 
+int64_t CudaTileGemm::RowsFor(int64_t n) const {
+  for (const int64_t t : kCudaShortRowTiles) {  // ascending
+    if (t >= n && t < shape_.rows && Runs(t)) return t;
+  }
+  return shape_.rows;
+}
+
 absl::Status CudaTileGemm::Run(cublasLtHandle_t handle, const uint16_t* w, const uint16_t* x,
                                float* out, bool accumulate, void* workspace, cudaStream_t stream,
                                int64_t rows, int64_t cols) const {

@@ -88,6 +88,9 @@ class CudaTileGemm {
   // Whether Run takes `rows` (shape().rows, or a short tile cuBLASLt accepted), with every
   // column count of the shape.
   bool Runs(int64_t rows) const;
+  // The fewest rows Run takes that hold n <= shape().rows: the shortest accepted short tile of at
+  // least n rows, else shape().rows (a job's last, partial row tile multiplies that many).
+  int64_t RowsFor(int64_t n) const;
   // out = x . w^T (accumulate: out += x . w^T). w: [cols, k] bf16 row-major, x: [rows, k] bf16
   // row-major, out: [rows, cols] fp32 row-major with leading dimension ld.
   // `workspace` holds kCublasWorkspaceBytes on the current device.
