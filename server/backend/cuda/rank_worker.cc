@@ -321,8 +321,7 @@ absl::StatusOr<kc::LogitsSource> RankWorker::Source(Dist& d, int64_t c, int64_t 
       // A job's last row tile multiplies only the shortest short tile that holds its rows (the
       // same pinned algorithm: a row's bits do not depend on the GEMM's row count). Never more
       // than the job's tile: that one runs (checked above) and holds them.
-      const int64_t gemm_rows =
-          hs.gemm->RowsFor(std::min(plan_.tile_rows, job_.rows - row0));
+      const int64_t gemm_rows = hs.gemm->RowsFor(std::min(plan_.tile_rows, job_.rows - row0));
       // One GEMM per kCudaVocabChunk chunk or per slot (the gemm's columns); the shard's padded
       // rows are whole chunks, so a last, narrower GEMM has whole chunks too.
       const int64_t step = hs.gemm->shape().cols;
