@@ -372,7 +372,7 @@ int64_t CudaBackend::FusedTileRows(const ScoreJob& job, bool keeps_logits, int64
 }
 
 absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
-  JobTrace::Begin();
+  JobTrace::Begin(static_cast<long>(job.rows));
   struct TraceEnd {
     ~TraceEnd() {
       JobTrace::Mark("Score returns");
@@ -639,6 +639,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       LOGITSERVE_RETURN_IF_ERROR(s.Create(rank->device, least_priority));
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->copy_stream.Create(rank->device, greatest_priority));
+    LOGITSERVE_RETURN_IF_ERROR(rank->upload_stream.Create(rank->device));
+    LOGITSERVE_RETURN_IF_ERROR(rank->upload_idle.Create(rank->device));
+    for (auto* events : {&rank->raw_ready, &rank->raw_free}) {
+      for (CudaEvent& e : *events) {
+        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
+      }
+    }
     for (auto* events : {&rank->stats_done, &rank->message_free}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
@@ -670,9 +677,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
     fused = fused && kc::HiddenStatsSupported();
-    if (r == 0) {  // the reporting rank; its worker thread is the copy-back's first thread
-      rank->copy_pool = std::make_unique<CopyPool>(cuda_internal::MaxCopyThreads() - 1);
-    }
+    // The rank's worker thread is the first of its copies' threads. The reporting rank copies
+    // the outputs back; every rank stages its own copy of pageable hidden states, on its share
+    // of the threads (RankWorker::BeginTile).
+    const size_t copy_threads = r == 0
+                                    ? cuda_internal::MaxCopyThreads()
+                                    : cuda_internal::MaxCopyThreads() / static_cast<size_t>(shards);
+    if (copy_threads > 1) rank->copy_pool = std::make_unique<CopyPool>(copy_threads - 1);
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());
     ranks.push_back(std::move(rank));

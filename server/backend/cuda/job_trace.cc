@@ -23,7 +23,7 @@ thread_local std::unique_ptr<JobTrace> current;
 
 }  // namespace
 
-void JobTrace::Begin() {
+void JobTrace::Begin(long rows) {
   const int every = TraceEvery();
   if (every == 0) return;
   static std::atomic<long> jobs{0};
@@ -34,6 +34,7 @@ void JobTrace::Begin() {
     if (cudaEventCreate(&e) != cudaSuccess) e = nullptr;
   }
   trace->entries_.reserve(kMaxEntries);
+  trace->rows_ = rows;
   trace->start_ = std::chrono::steady_clock::now();
   current = std::move(trace);
 }
@@ -60,8 +61,12 @@ void JobTrace::End() {
       break;
     }
   }
-  std::fprintf(stderr, "job trace: %zu marks (host us since Begin | GPU us since first event)\n",
-               t->entries_.size());
+  const double begun_ms =
+      std::chrono::duration<double, std::milli>(t->start_.time_since_epoch()).count();
+  std::fprintf(stderr,
+               "job trace: %ld rows, begun at %.3f ms (steady clock), %zu marks (host us since "
+               "Begin | GPU us since first event)\n",
+               t->rows_, begun_ms, t->entries_.size());
   for (const Entry& e : t->entries_) {
     const double host = std::chrono::duration<double, std::micro>(e.host - t->start_).count();
     float gpu_ms = 0;

@@ -23,8 +23,9 @@ namespace logitserve::cuda_internal {
 class JobTrace {
  public:
   // Starts a trace on this thread if tracing is on and this job is one of every Nth; the events
-  // are created here (not while the job runs).
-  static void Begin();
+  // are created here (not while the job runs). `rows` (the job's token rows) heads the printout,
+  // with the begin time on the steady clock, so that traces of concurrent jobs line up.
+  static void Begin(long rows = -1);
   // Prints the trace begun on this thread, if any, and ends it.
   static void End();
   // A host-side mark; with `stream`, also a timing event recorded on it. `what` must outlive the
@@ -39,6 +40,7 @@ class JobTrace {
   };
   static constexpr int kMaxEntries = 512;
   std::chrono::steady_clock::time_point start_;
+  long rows_ = -1;
   std::vector<cudaEvent_t> pool_;
   std::vector<Entry> entries_;
 };

@@ -18,6 +18,7 @@ namespace kc = kernels::cuda;
 void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy, Carver& carver,
                            std::vector<std::pair<Dist*, std::array<size_t, 4>>>& offsets) {
   d.in = &in;
+  d.index = &d == &ref_ ? 1 : 0;
   d.hidden = in.hidden_mode();
   std::array<size_t, 4> off{};  // staging, raw, x_parts, slots
   const size_t rows = static_cast<size_t>(plan_.tile_rows);
@@ -34,12 +35,13 @@ void RankWorker::SetUpDist(Dist& d, const DistributionInput& in, bool zero_copy,
     d.transform = HeadLogitTransform(d.head->weights().transform, in.temperature);
     if (shard_width_ > 0) {
       const size_t h = static_cast<size_t>(in.hidden.cols);
-      // Fused: two buffers, one per pipelined tile in flight.
+      // Two raw buffers (tile t uploads into t % 2 while tile t - 1's are read); fused: two of
+      // the parts too, one per pipelined tile in flight.
       const size_t bufs = plan_.fused ? 2 : 1;
       d.direct = plan_.fused && DeviceOf(in.hidden.data) == rank_.device;
       d.raw_bytes = d.direct ? 0 : rows * h * static_cast<size_t>(k::SizeOf(in.hidden.type));
       d.x_elems = static_cast<size_t>(d.hidden_parts) * rows * static_cast<size_t>(d.head->k_pad);
-      off[1] = carver.Add(bufs * d.raw_bytes);
+      off[1] = carver.Add(2 * d.raw_bytes);
       off[2] = carver.Add(bufs * d.x_elems * sizeof(uint16_t));
       // JSD's second pass reads the tile's logits again: keep every chunk rather than recompute.
       // Otherwise JobPlan::hidden_slots: the GEMMs fill one while the statistics read another.
@@ -257,27 +259,50 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   const size_t bytes = static_cast<size_t>(rows * h.cols * es);
   const uint8_t* src = static_cast<const uint8_t*>(h.data) + row0 * h.cols * es;
   // Fused: the tile's buffers (t % 2), on the tile's statistics stream (its earlier user, tile
-  // t - 2, ran on the same stream). Otherwise one buffer, on gemm_stream, behind the previous
-  // tile's GEMMs (the only readers of raw and x_parts).
-  const size_t parity = static_cast<size_t>((row0 / plan_.tile_rows) % 2);
+  // t - 2, ran on the same stream). Otherwise the upload into raw buffer t % 2 on upload_stream
+  // (behind the split of tile t - 2, its last reader) and the split into the one x_parts on the
+  // GEMM stream, behind the previous tile's GEMMs (its only readers).
+  const int64_t tile = row0 / plan_.tile_rows;
+  const size_t parity = static_cast<size_t>(tile % 2);
   const size_t b = plan_.fused ? parity : 0;
   const cudaStream_t on = plan_.fused ? logits_stream : GemmStreamOf(d);
+  const cudaStream_t up = plan_.fused ? on : rank_.upload_stream.get();
+  const size_t e = static_cast<size_t>(d.index) * 2 + parity;  // raw_ready / raw_free
   uint16_t* x_parts = d.x_parts + b * d.x_elems;
   if (!d.direct) {
     if (d.pinned[0] != nullptr) {
       // Run() has waited for tile t - 2, the last reader of this pinned tile.
       uint8_t* pinned = d.pinned[parity];
-      std::memcpy(pinned, src, bytes);
+      JobTrace::Mark("hidden tile staging");
+      // On the rank's copy threads: the first tile's staging is the job's start-up latency (the
+      // GPU waits for it), and a later tile's must stay shorter than the GPU's work on the
+      // previous one. Every rank stages the same rows, so each takes its share of the threads.
+      CopyPool::Copy(rank_.copy_pool.get(), pinned, src, bytes,
+                     std::max<size_t>(1, MaxCopyThreads() / static_cast<size_t>(num_ranks_)),
+                     kStagingBytesPerThread);
+      JobTrace::Mark("hidden tile staged");
       src = pinned;
     }
-    uint8_t* raw = d.raw + b * d.raw_bytes;
-    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(raw, src, bytes, cudaMemcpyDefault, on));
+    uint8_t* raw = d.raw + parity * d.raw_bytes;
+    if (up != on && tile >= 2) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(up, rank_.raw_free[e].get(), 0));
+    }
+    JobTrace::Mark("hidden tile upload begin", up);
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(raw, src, bytes, cudaMemcpyDefault, up));
+    JobTrace::Mark("hidden tile uploaded", up);
+    if (up != on) {
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.raw_ready[e].get(), up));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(on, rank_.raw_ready[e].get(), 0));
+    }
     src = raw;
   }
   // Rows past `rows` become zeros: the GEMM always multiplies the row tile's rows.
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchSplitToBf16(
       h.type, src, h.cols, rows, h.cols, d.hidden_parts, x_parts, plan_.tile_rows, d.head->k_pad,
       static_cast<size_t>(plan_.tile_rows * d.head->k_pad), on));
+  if (!d.direct && up != on) {
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.raw_free[e].get(), on));
+  }
   return absl::OkStatus();
 }
 

@@ -73,13 +73,6 @@ inline size_t MaxCopyThreads() {
   return std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kOutputThreads);
 }
 
-// A copy of `bytes` bytes from src to dst (host memory).
-struct HostCopy {
-  void* dst;
-  const void* src;
-  size_t bytes;
-};
-
 class RankWorker final : public ShardedRank {
  public:
   RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure, FatalState& fatal,
@@ -125,7 +118,8 @@ class RankWorker final : public ShardedRank {
     // Hidden mode.
     const CudaHead* head = nullptr;
     int hidden_parts = 0;
-    uint8_t* raw = nullptr;  // [tile_rows][H] of the input dtype (fused: two, raw_bytes apart)
+    int index = 0;           // 0: the model, 1: the reference
+    uint8_t* raw = nullptr;  // two [tile_rows][H] of the input dtype, raw_bytes apart (t % 2)
     // Pageable hidden states: two pinned host tiles [tile_rows][H] (tile t uses t % 2), filled by
     // the host thread while the GPU works on earlier tiles, then copied asynchronously.
     std::array<uint8_t*, 2> pinned{};
@@ -153,8 +147,9 @@ class RankWorker final : public ShardedRank {
   // gemm_stream beside them (it reads only those logits and the ids), off the tail's critical
   // path.
   bool single_logits_tile() const { return pipelined() && num_tiles_ == 1 && job_.top_k == 0; }
-  // The tile's input copies: logits staging on `logits_stream`, hidden rows on gemm_stream (fused
-  // hidden mode: on `logits_stream` too, into the tile's buffer pair of raw rows and parts).
+  // The tile's input copies: logits staging on `logits_stream`; hidden rows up on upload_stream
+  // and split on the GEMM stream (fused hidden mode: both on `logits_stream`, into the tile's
+  // buffer pair of raw rows and parts).
   absl::Status BeginTile(Dist& d, int64_t row0, int64_t rows, cudaStream_t logits_stream);
   // Fused hidden mode: the tile's statistics, target logits (and, for top-k / JSD, its logits in
   // slot `slot_`) with one LaunchHiddenStats on `on`.

@@ -18,37 +18,9 @@ namespace logitserve::cuda_internal {
 
 namespace {
 
-// The host side of the output copy-back, split over threads when large: one core copies ~10 GB/s,
-// so the 4 MB of a top-k = 64 output for 8192 rows took as long on one as the top-k kernels
-// (64 MB for k = 1024: ten times longer). Thread i of n copies bytes [i * share, (i + 1) * share)
-// of the concatenated copies.
-class SplitCopy {
- public:
-  SplitCopy(std::vector<HostCopy> copies, size_t n) : copies_(std::move(copies)) {
-    size_t total = 0;
-    for (const HostCopy& c : copies_) total += c.bytes;
-    share_ = (total + n - 1) / n;
-  }
-  void Run(size_t i) const {
-    const size_t begin = i * share_, end = begin + share_;
-    size_t at = 0;
-    for (const HostCopy& c : copies_) {
-      const size_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
-      if (lo < hi) {
-        std::memcpy(static_cast<uint8_t*>(c.dst) + (lo - at),
-                    static_cast<const uint8_t*>(c.src) + (lo - at), hi - lo);
-      }
-      at += c.bytes;
-    }
-  }
-
- private:
-  std::vector<HostCopy> copies_;
-  size_t share_ = 0;
-};
-
 // Host threads for `bytes` of output copies: one per 512 KB, at most half the cores and
-// kOutputThreads.
+// kOutputThreads (one core copies ~10 GB/s: the 4 MB of a top-k = 64 output for 8192 rows took
+// as long on one as the top-k kernels, and 64 MB for k = 1024 ten times longer).
 size_t CopyThreads(size_t bytes) {
   constexpr size_t kPerThread = size_t{512} << 10;
   return std::clamp<size_t>((bytes + kPerThread - 1) / kPerThread, 1, MaxCopyThreads());
