@@ -1,10 +1,14 @@
 #include "server/service/validate.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -21,6 +25,11 @@ static_assert(std::endian::native == std::endian::little,
               "Tensor.data is little-endian and is read in place");
 
 constexpr int32_t kDefaultIgnoreIndex = -100;
+// The hidden-state scan (CheckHiddenFinite): a thread per this many bytes, at most
+// kMaxFiniteScanThreads (and half the cores). The client's pipelined chunks (4 MiB) scan on
+// their receiving thread alone.
+constexpr int64_t kFiniteScanBytesPerThread = int64_t{4} << 20;
+constexpr int64_t kMaxFiniteScanThreads = 8;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
 
@@ -130,11 +139,15 @@ bool AnyNonFinite(const void* data, int64_t n, Signed exponent_mask) {
   return max_abs >= exponent_mask;
 }
 
-// Hidden states must be finite: a NaN or +-inf would poison every logit of the row.
-absl::Status CheckHiddenFinite(const MatrixView& m, absl::string_view field) {
+// The first non-finite element of rows [row_begin, row_end) of `m`: {row, column}, or row -1.
+struct NonFinite {
+  int64_t row = -1;
+  int64_t col = -1;
+};
+NonFinite FirstNonFiniteIn(const MatrixView& m, int64_t row_begin, int64_t row_end) {
   const int64_t item = kernels::SizeOf(m.type);
   const auto* base = static_cast<const unsigned char*>(m.data);
-  for (int64_t r = 0; r < m.rows; ++r) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
     const void* row = base + r * m.cols * item;
     int64_t col = -1;
     switch (m.type) {
@@ -154,15 +167,56 @@ absl::Status CheckHiddenFinite(const MatrixView& m, absl::string_view field) {
         }
         break;
     }
-    if (col >= 0) {
-      const float v = kernels::LoadAsFloat(m.type, row, col);
-      const char* what = std::isnan(v) ? "NaN" : (v > 0 ? "+inf" : "-inf");
-      return absl::InvalidArgumentError(absl::StrCat(field, ": row ", r, " contains ", what,
-                                                     " (column ", col,
-                                                     "); hidden states must be finite"));
+    if (col >= 0) return NonFinite{r, col};
+  }
+  return NonFinite{};
+}
+
+// Hidden states must be finite: a NaN or +-inf would poison every logit of the row. The scan is
+// memory-bound: one core reads ~8 GB/s (64 MiB of an 8192-row bf16 request at H = 4096 took
+// 7.7 ms on the H200 machine, a third of the request's compute_us), so large tensors are
+// scanned in row ranges on several threads; the lowest bad row is reported either way.
+absl::Status CheckHiddenFinite(const MatrixView& m, absl::string_view field, int max_threads) {
+  const int64_t bytes = m.rows * m.cols * kernels::SizeOf(m.type);
+  const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t most =
+      max_threads > 0 ? max_threads : std::min<int64_t>(kMaxFiniteScanThreads, hardware / 2);
+  const int64_t threads = std::clamp<int64_t>(bytes / kFiniteScanBytesPerThread, 1,
+                                              std::max<int64_t>(1, std::min(most, m.rows)));
+  NonFinite bad;
+  if (threads <= 1) {
+    bad = FirstNonFiniteIn(m, 0, m.rows);
+  } else {
+    std::vector<NonFinite> found(static_cast<size_t>(threads));
+    auto scan = [&](int64_t t) {
+      found[static_cast<size_t>(t)] =
+          FirstNonFiniteIn(m, m.rows * t / threads, m.rows * (t + 1) / threads);
+    };
+    std::vector<std::thread> helpers;
+    helpers.reserve(static_cast<size_t>(threads - 1));
+    int64_t t = 1;
+    try {
+      for (; t < threads; ++t) helpers.emplace_back(scan, t);
+    } catch (const std::system_error&) {  // no thread to be had: this one scans the rest
+    }
+    for (int64_t rest = t; rest < threads; ++rest) scan(rest);
+    scan(0);
+    for (std::thread& h : helpers) h.join();
+    for (const NonFinite& f : found) {  // ranges in row order: the first found is the lowest
+      if (f.row >= 0) {
+        bad = f;
+        break;
+      }
     }
   }
-  return absl::OkStatus();
+  if (bad.row < 0) return absl::OkStatus();
+  const void* row =
+      static_cast<const unsigned char*>(m.data) + bad.row * m.cols * kernels::SizeOf(m.type);
+  const float v = kernels::LoadAsFloat(m.type, row, bad.col);
+  const char* what = std::isnan(v) ? "NaN" : (v > 0 ? "+inf" : "-inf");
+  return absl::InvalidArgumentError(absl::StrCat(field, ": row ", bad.row, " contains ", what,
+                                                 " (column ", bad.col,
+                                                 "); hidden states must be finite"));
 }
 
 // Field names of one side (model or reference) of a request, for error messages.
@@ -476,10 +530,10 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
   return v;
 }
 
-absl::Status CheckHiddenStatesFinite(const ScoreJob& job) {
+absl::Status CheckHiddenStatesFinite(const ScoreJob& job, int max_threads) {
   for (const DistributionInput* in : {&job.model, &job.reference}) {
     if (!in->hidden_mode()) continue;
-    LOGITSERVE_RETURN_IF_ERROR(CheckHiddenFinite(in->hidden, in->field));
+    LOGITSERVE_RETURN_IF_ERROR(CheckHiddenFinite(in->hidden, in->field, max_threads));
   }
   return absl::OkStatus();
 }

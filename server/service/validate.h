@@ -78,7 +78,9 @@ absl::StatusOr<ValidatedRequest> ValidateScoreRequest(const v1::ScoreRequest& re
 // otherwise INVALID_ARGUMENT naming the field ("hidden" / "reference_hidden"), the first bad row,
 // its column and the value (NaN, +inf, -inf): a non-finite hidden state would poison every logit
 // of its row. Reads every hidden byte once (vectorised), so it is separate from the validation
-// of shapes. REQUIRES: `job` came from ValidateScoreRequest (its views are valid).
-absl::Status CheckHiddenStatesFinite(const ScoreJob& job);
+// of shapes; a large tensor is scanned in row ranges on up to `max_threads` threads (0: up to
+// 8 and half the cores, one per 4 MiB), with the same answer. REQUIRES: `job` came from
+// ValidateScoreRequest (its views are valid).
+absl::Status CheckHiddenStatesFinite(const ScoreJob& job, int max_threads = 0);
 
 }  // namespace logitserve

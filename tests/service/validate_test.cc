@@ -579,6 +579,39 @@ TEST_F(ValidateTest, NonFiniteHiddenStates) {
   EXPECT_TRUE(CheckHiddenStatesFinite(Validate(LogitsRequest(3))->job).ok());
 }
 
+// A large tensor is scanned in row ranges on several threads: the lowest bad row is reported
+// whichever range holds it, and bad rows in later ranges do not displace it.
+TEST_F(ValidateTest, NonFiniteHiddenStatesInALargeTensor) {
+  constexpr int64_t kRows = 600000;  // fp32 [600000, 8]: 19.2 MB, up to four 4 MiB ranges
+  std::vector<float> h = Ramp(kRows * kHidden);
+  v1::ScoreRequest r;
+  r.set_head("policy");
+  r.set_entropy(true);
+  limits_.max_tokens_per_request = kRows;
+  auto check = [&](int threads) {
+    *r.mutable_hidden() = FloatTensor(v1::DATA_TYPE_FLOAT32, h, {kRows, kHidden});
+    absl::StatusOr<ValidatedRequest> v = Validate(r);
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? CheckHiddenStatesFinite(v->job, threads) : v.status();
+  };
+  for (int threads : {1, 3, 8}) {
+    SCOPED_TRACE(threads);
+    h = Ramp(kRows * kHidden);
+    EXPECT_TRUE(check(threads).ok());
+    h[(kRows - 1) * kHidden + 7] = kNaN;  // the last element of the last range
+    EXPECT_THAT(std::string(check(threads).message()),
+                AllOf(HasSubstr("row 599999"), HasSubstr("column 7"), HasSubstr("NaN")));
+    h[(kRows / 2) * kHidden + 3] = -kInf;  // a middle range
+    EXPECT_THAT(std::string(check(threads).message()),
+                AllOf(HasSubstr("row 300000"), HasSubstr("column 3"), HasSubstr("-inf")));
+    h[5 * kHidden] = kInf;  // the first range
+    const absl::Status s = check(threads);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("hidden"), HasSubstr("row 5 "),
+                                                HasSubstr("column 0"), HasSubstr("+inf")));
+  }
+}
+
 TEST_F(ValidateTest, LargeFiniteHiddenValuesAreAccepted) {
   std::vector<float> h = Ramp(2 * kHidden);
   h[0] = 3e38f;
