@@ -641,11 +641,6 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     LOGITSERVE_RETURN_IF_ERROR(rank->copy_stream.Create(rank->device, greatest_priority));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_stream.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_idle.Create(rank->device));
-    for (auto* events : {&rank->raw_ready, &rank->raw_free}) {
-      for (CudaEvent& e : *events) {
-        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
-      }
-    }
     for (auto* events : {&rank->stats_done, &rank->message_free}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
@@ -655,7 +650,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     for (CudaEvent& e : rank->side_idle) {
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
-    for (auto* events : {&rank->slot_filled, &rank->slot_free, &rank->slot_filled_b}) {
+    for (auto* events : {&rank->slot_filled, &rank->slot_free, &rank->slot_filled_b,
+                         &rank->raw_ready, &rank->raw_free}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
       }
@@ -677,12 +673,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
     fused = fused && kc::HiddenStatsSupported();
-    // The rank's worker thread is the first of its copies' threads. The reporting rank copies
-    // the outputs back; every rank stages its own copy of pageable hidden states, on its share
-    // of the threads (RankWorker::BeginTile).
-    const size_t copy_threads = r == 0
-                                    ? cuda_internal::MaxCopyThreads()
-                                    : cuda_internal::MaxCopyThreads() / static_cast<size_t>(shards);
+    // Copy threads, the worker first: rank 0's copy outputs back; every rank's stage its inputs.
+    const size_t copy_threads =
+        cuda_internal::MaxCopyThreads() / static_cast<size_t>(r == 0 ? 1 : shards);
     if (copy_threads > 1) rank->copy_pool = std::make_unique<CopyPool>(copy_threads - 1);
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());

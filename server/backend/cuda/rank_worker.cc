@@ -261,12 +261,13 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   // Fused: the tile's buffers (t % 2), on the tile's statistics stream (its earlier user, tile
   // t - 2, ran on the same stream). Otherwise the upload into raw buffer t % 2 on upload_stream
   // (behind the split of tile t - 2, its last reader) and the split into the one x_parts on the
-  // GEMM stream, behind the previous tile's GEMMs (its only readers).
+  // GEMM stream, behind the previous tile's GEMMs (its only readers). Tile 0's upload has no
+  // GEMMs to run beside: it goes on the GEMM stream itself, one cross-stream hop less.
   const int64_t tile = row0 / plan_.tile_rows;
   const size_t parity = static_cast<size_t>(tile % 2);
   const size_t b = plan_.fused ? parity : 0;
   const cudaStream_t on = plan_.fused ? logits_stream : GemmStreamOf(d);
-  const cudaStream_t up = plan_.fused ? on : rank_.upload_stream.get();
+  const cudaStream_t up = plan_.fused || tile == 0 ? on : rank_.upload_stream.get();
   const size_t e = static_cast<size_t>(d.index) * 2 + parity;  // raw_ready / raw_free
   uint16_t* x_parts = d.x_parts + b * d.x_elems;
   if (!d.direct) {
@@ -284,7 +285,7 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
       src = pinned;
     }
     uint8_t* raw = d.raw + parity * d.raw_bytes;
-    if (up != on && tile >= 2) {
+    if (!plan_.fused && tile >= 2) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(up, rank_.raw_free[e].get(), 0));
     }
     JobTrace::Mark("hidden tile upload begin", up);
@@ -300,7 +301,7 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchSplitToBf16(
       h.type, src, h.cols, rows, h.cols, d.hidden_parts, x_parts, plan_.tile_rows, d.head->k_pad,
       static_cast<size_t>(plan_.tile_rows * d.head->k_pad), on));
-  if (!d.direct && up != on) {
+  if (!d.direct && !plan_.fused) {  // every tile's: tile t + 2's upload waits for it
     LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.raw_free[e].get(), on));
   }
   return absl::OkStatus();
