@@ -83,9 +83,8 @@ class CopyPool {
   // pool threads), one per `per_thread` bytes; returns when done. `pool` may be null (one thread).
   static void Copy(CopyPool* pool, void* dst, const void* src, size_t bytes, size_t max_threads,
                    size_t per_thread) {
-    size_t n = std::clamp<size_t>((bytes + per_thread - 1) / per_thread, 1, max_threads);
-    if (pool == nullptr) n = 1;
-    n = std::min(n, pool == nullptr ? size_t{1} : pool->size() + 1);
+    const size_t most = pool == nullptr ? 1 : std::clamp<size_t>(max_threads, 1, pool->size() + 1);
+    const size_t n = std::clamp<size_t>((bytes + per_thread - 1) / per_thread, 1, most);
     if (n == 1) {
       std::memcpy(dst, src, bytes);
       return;
