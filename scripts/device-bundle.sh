@@ -62,7 +62,8 @@ cp bench/cuda/torch_baseline.py bench/cuda/triton_peer.py "$BUNDLE/bench/"
 # can be installed there, so the package is not pip-installed: the wheel the build makes (pure
 # Python, stubs generated here by protoc) is unpacked into python/, which run_wire_bench.sh puts
 # on PYTHONPATH; bin/python-check.sh prints the versions there and whether the stubs import.
-cp bench/rpc/run_wire_bench.sh bench/rpc/wire_bench.py bench/rpc/run_service_bench.sh "$BUNDLE/bench/"
+cp bench/rpc/run_wire_bench.sh bench/rpc/wire_bench.py bench/rpc/run_service_bench.sh bench/rpc/thread_cpu.py \
+  "$BUNDLE/bench/"
 bundle_python=/usr/bin/python3  # Debian's, with python3-build / -setuptools / -wheel (as CI)
 [ -x "$bundle_python" ] || bundle_python=$(command -v python3)
 if bash client/python/ci/build_dist.sh "$bundle_python" "$BUILD_DIR/bundle-python-stage" \

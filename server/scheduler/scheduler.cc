@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/base/cpu_relax.h"
+#include "common/base/thread_name.h"
 #include "server/scheduler/batch.h"
 
 namespace logitserve {
@@ -38,7 +39,12 @@ Scheduler::Scheduler(Backend* backend, const SchedulerOptions& options, Schedule
     : backend_(backend), options_(options), hooks_(std::move(hooks)) {
   const int workers = std::max(1, options_.workers);
   workers_.reserve(static_cast<size_t>(workers));
-  for (int i = 0; i < workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 0; i < workers; ++i) {
+    workers_.emplace_back([this] {
+      NameThisThread("ls-sched-worker");
+      WorkerLoop();
+    });
+  }
 }
 
 Scheduler::~Scheduler() { Stop(); }

@@ -32,6 +32,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/thread_name.h"
 #include "server/service/metrics.h"
 
 namespace logitserve {
@@ -299,7 +300,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     return absl::InternalError(absl::StrCat("--metrics-listen: pipe: ", std::strerror(errno)));
   }
   Impl* raw = impl.get();
-  raw->thread = std::thread([raw] { raw->Loop(); });
+  raw->thread = std::thread([raw] {
+    NameThisThread("ls-metrics-http");
+    raw->Loop();
+  });
   return std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer(std::move(impl), bound));
 }
 

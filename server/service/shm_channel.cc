@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/thread_name.h"
 #include "common/wire/shm_channel.h"
 #include "server/service/shm_registry.h"
 
@@ -183,6 +184,7 @@ void ShmChannel::WriteAnswer(uint32_t seq, const absl::Status& status,
 
 void ShmChannel::Run(Serve serve, std::chrono::microseconds spin,
                      std::function<void(const absl::Status&)> on_exit) {
+  NameThisThread("ls-shm-channel");
   absl::Status exit_status;
   std::string copy;          // the request bytes, out of the client's reach
   v1::ScoreRequest request;  // reused: protobuf keeps its allocations between parses

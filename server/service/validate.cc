@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/base/status_macros.h"
+#include "common/base/thread_name.h"
 #include "common/wire/dtype.h"
 #include "server/service/client_text.h"
 
@@ -189,6 +190,7 @@ absl::Status CheckHiddenFinite(const MatrixView& m, absl::string_view field, int
   } else {
     std::vector<NonFinite> found(static_cast<size_t>(threads));
     auto scan = [&](int64_t t) {
+      if (t > 0) NameThisThread("ls-finite-scan");
       found[static_cast<size_t>(t)] =
           FirstNonFiniteIn(m, m.rows * t / threads, m.rows * (t + 1) / threads);
     };

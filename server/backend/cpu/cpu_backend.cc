@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/base/status_macros.h"
+#include "common/base/thread_name.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cpu_kernels.h"
 #include "logitserve/kernels/row_finisher.h"
@@ -545,6 +546,7 @@ absl::Status CpuBackend::Score(const ScoreJob& job, ScoreResult* result) {
   std::vector<absl::Status> status(static_cast<size_t>(shards));
   JobFailure failure(shards);
   auto run_rank = [&](int r) {
+    if (r > 0) NameThisThread("ls-cpu-rank");  // rank 0 runs on the caller's thread
     RankContext ctx{&job, result, comms[static_cast<size_t>(r)].get(), &failure, &layout, threads};
     status[static_cast<size_t>(r)] = RankWorker(ctx).Run();
   };

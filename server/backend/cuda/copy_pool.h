@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/base/thread_name.h"
 #include "server/backend/cuda/watchdog.h"
 
 namespace logitserve::cuda_internal {
@@ -65,7 +66,12 @@ class SplitCopy {
 class CopyPool {
  public:
   explicit CopyPool(size_t threads) {
-    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this, i] { Loop(i); });
+    for (size_t i = 0; i < threads; ++i) {
+      threads_.emplace_back([this, i] {
+        NameThisThread("ls-copy");
+        Loop(i);
+      });
+    }
   }
   ~CopyPool() {
     {
