@@ -29,7 +29,9 @@
 // pipelined, the unsplit and the shared-memory request; the bytes' cost on the server is
 // srv_piped - srv_shm (same compute, no tensor bytes). cli_shm: this process's CPU ms per
 // shared-memory request. cli_piped: this process's CPU ms per
-// pipelined request (getrusage).
+// pipelined request (getrusage). Also with --server-pid, a line after each size's row: the
+// server's busiest threads by name during the end-to-end run, in % of one core
+// (/proc/PID/task; its own threads are named ls-*), to find a serial bound on the receive path.
 // Correctness: every response must hold N log-probs and N entropies, and the pipelined and
 // shared-memory results must equal the unsplit one bit for bit; mismatches count as `wrong`
 // (exit 1 when any).
@@ -43,11 +45,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -123,6 +128,62 @@ double CpuMs(int pid) {
     if (i == 15) stime = std::stoll(f);
   }
   return (utime + stime) * 1e3 / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// CPU clock ticks (user + system) of every thread of process `pid`: tid -> (name, ticks). The
+// server names its own threads ls-* (common/base/thread_name.h). Empty when unreadable.
+std::map<std::string, std::pair<std::string, long long>> ThreadTicks(int pid) {
+  std::map<std::string, std::pair<std::string, long long>> ticks;
+  std::error_code ec;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close < open) continue;
+    std::istringstream fields(stat.substr(close + 2));
+    std::string f;
+    long long utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && fields >> f; ++i) {
+      if (i == 14) utime = std::stoll(f);
+      if (i == 15) stime = std::stoll(f);
+    }
+    ticks[entry.path().filename().string()] = {stat.substr(open + 1, close - open - 1),
+                                               utime + stime};
+  }
+  return ticks;
+}
+
+// The server's busiest thread names over an interval of `ms`, at most `top` of them, as
+// "name total% (max one thread%) xN": total over the threads of that name, in % of one core, and
+// the busiest single one (near 100 %: a serial bound).
+std::string BusiestThreads(const std::map<std::string, std::pair<std::string, long long>>& before,
+                           const std::map<std::string, std::pair<std::string, long long>>& after,
+                           double ms, size_t top) {
+  struct Use {
+    double total = 0, max = 0;
+    int threads = 0;
+  };
+  std::map<std::string, Use> by_name;
+  const double per_tick = 1e5 / static_cast<double>(sysconf(_SC_CLK_TCK)) / ms;  // % of a core
+  for (const auto& [tid, now] : after) {
+    const auto it = before.find(tid);
+    const double pct = (now.second - (it == before.end() ? 0 : it->second.second)) * per_tick;
+    Use& u = by_name[now.first];
+    u.total += pct;
+    u.max = std::max(u.max, pct);
+    ++u.threads;
+  }
+  std::vector<std::pair<double, std::string>> order;
+  for (const auto& [name, u] : by_name) order.emplace_back(u.total, name);
+  std::sort(order.rbegin(), order.rend());
+  std::string out;
+  for (size_t i = 0; i < order.size() && i < top && order[i].first >= 1; ++i) {
+    const Use& u = by_name[order[i].second];
+    out += (i ? ", " : "") + order[i].second + " " + std::to_string(std::lround(u.total)) +
+           "% (max " + std::to_string(std::lround(u.max)) + "%) x" + std::to_string(u.threads);
+  }
+  return out;
 }
 
 v1::ScoreRequest BaseRequest(const std::string& head) {
@@ -391,6 +452,9 @@ int main(int argc, char** argv) {
         concurrency > 0 ? concurrency : static_cast<int>(std::clamp<int64_t>(4096 / rows, 2, 32));
     std::atomic<int64_t> scored{0};
     std::atomic<bool> stop{false};
+    const auto threads0 = srv > 0 && !shm_only
+                              ? ThreadTicks(srv)
+                              : std::map<std::string, std::pair<std::string, long long>>();
     const Clock::time_point t0 = Clock::now();
     std::vector<std::thread> workers;
     for (int t = 0; t < (shm_only ? 0 : threads); ++t) {
@@ -408,6 +472,9 @@ int main(int argc, char** argv) {
     for (std::thread& w : workers) w.join();
     const double rate_ms = MsSince(t0);
     const double e2e_rate = scored.load() / (rate_ms / 1e3);
+    // The server's busiest threads during the end-to-end run (% of one core).
+    const std::string busiest =
+        threads0.empty() ? "" : BusiestThreads(threads0, ThreadTicks(srv), rate_ms, 6);
 
     const double c_ms = Median(compute_ms), s_ms = Median(single_ms), u_ms = Median(unpiped_ms),
                  x_ms = Median(transfer_ms), m_ms = Median(shm_ms), mc_ms = Median(shm_compute_ms),
@@ -422,6 +489,7 @@ int main(int argc, char** argv) {
         e2e_rate / compute_rate, s_ms, u_ms, x_ms, single_ratio, m_ms, no_shm ? 0.0 : m_ms / c_ms,
         mc_ms, mf_ms, rtt, static_cast<long long>(wrong.load()), srv_unpiped, srv_piped, srv_shm,
         cli_piped, cli_shm);
+    if (!busiest.empty()) std::printf("       server threads during e2e: %s\n", busiest.c_str());
     std::fflush(stdout);
     results.push_back(
         {{"rows", rows},
@@ -445,7 +513,8 @@ int main(int argc, char** argv) {
          {"server_cpu_ms_pipelined", srv_piped},
          {"server_cpu_ms_shm", srv_shm},
          {"client_cpu_ms_pipelined", cli_piped},
-         {"client_cpu_ms_shm", cli_shm}});
+         {"client_cpu_ms_shm", cli_shm},
+         {"server_threads_e2e", busiest}});
     total_wrong += wrong.load();
   }
   std::printf("targets: e2e/cmp >= 0.90 (1), sgl/max <= 1.15 (2), shm/cmp <= 1.10 (3)\n");
