@@ -107,6 +107,23 @@ Inputs MakeInputs(int64_t rows, int64_t hidden, int64_t vocab) {
   return in;
 }
 
+// A /proc stat file's command name (in parentheses; it may hold spaces) and CPU clock ticks
+// (utime + stime, fields 14 and 15); ticks -1 when the file is unreadable.
+std::pair<std::string, long long> StatTicks(const std::string& path) {
+  std::ifstream in(path);
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t open = stat.find('('), close = stat.rfind(')');
+  if (open == std::string::npos || close == std::string::npos || close < open) return {"", -1};
+  std::istringstream fields(stat.substr(close + 2));
+  std::string f;
+  long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i == 14) utime = std::stoll(f);
+    if (i == 15) stime = std::stoll(f);
+  }
+  return {stat.substr(open + 1, close - open - 1), utime + stime};
+}
+
 // CPU ms (user + system) of process `pid` so far (-1 when unreadable), or of this process when
 // pid == 0.
 double CpuMs(int pid) {
@@ -116,18 +133,8 @@ double CpuMs(int pid) {
     return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 +
            (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
   }
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = stat.rfind(')');  // the command name may hold spaces
-  if (close == std::string::npos) return -1;
-  std::istringstream fields(stat.substr(close + 2));
-  std::string f;
-  long long utime = 0, stime = 0;
-  for (int i = 3; i <= 15 && fields >> f; ++i) {
-    if (i == 14) utime = std::stoll(f);
-    if (i == 15) stime = std::stoll(f);
-  }
-  return (utime + stime) * 1e3 / static_cast<double>(sysconf(_SC_CLK_TCK));
+  const long long ticks = StatTicks("/proc/" + std::to_string(pid) + "/stat").second;
+  return ticks < 0 ? -1 : ticks * 1e3 / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 // CPU clock ticks (user + system) of every thread of process `pid`: tid -> (name, ticks). The
@@ -137,19 +144,8 @@ std::map<std::string, std::pair<std::string, long long>> ThreadTicks(int pid) {
   std::error_code ec;
   for (const auto& entry :
        std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
-    std::ifstream in(entry.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const size_t open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos || close < open) continue;
-    std::istringstream fields(stat.substr(close + 2));
-    std::string f;
-    long long utime = 0, stime = 0;
-    for (int i = 3; i <= 15 && fields >> f; ++i) {
-      if (i == 14) utime = std::stoll(f);
-      if (i == 15) stime = std::stoll(f);
-    }
-    ticks[entry.path().filename().string()] = {stat.substr(open + 1, close - open - 1),
-                                               utime + stime};
+    auto stat = StatTicks((entry.path() / "stat").string());
+    if (stat.second >= 0) ticks[entry.path().filename().string()] = std::move(stat);
   }
   return ticks;
 }
