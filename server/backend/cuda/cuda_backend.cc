@@ -673,9 +673,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
     fused = fused && kc::HiddenStatsSupported();
-    // Copy threads, the worker first: rank 0's copy outputs back; every rank's stage its inputs.
-    const size_t copy_threads =
-        cuda_internal::MaxCopyThreads() / static_cast<size_t>(r == 0 ? 1 : shards);
+    const size_t copy_threads =  // with the worker's; rank 0 also copies the outputs back
+        r == 0 ? cuda_internal::MaxCopyThreads() : cuda_internal::StagingThreads(shards);
     if (copy_threads > 1) rank->copy_pool = std::make_unique<CopyPool>(copy_threads - 1);
     rank_devices.push_back(rank->device);
     streams.push_back(rank->stream.get());

@@ -278,8 +278,7 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
       // On the rank's copy threads: the first tile's staging is the job's start-up latency (the
       // GPU waits for it), and a later tile's must stay shorter than the GPU's work on the
       // previous one. Every rank stages the same rows, so each takes its share of the threads.
-      CopyPool::Copy(rank_.copy_pool.get(), pinned, src, bytes,
-                     std::max<size_t>(1, MaxCopyThreads() / static_cast<size_t>(num_ranks_)),
+      CopyPool::Copy(rank_.copy_pool.get(), pinned, src, bytes, StagingThreads(num_ranks_),
                      kStagingBytesPerThread);
       JobTrace::Mark("hidden tile staged");
       src = pinned;

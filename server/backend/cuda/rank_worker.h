@@ -73,6 +73,12 @@ inline size_t MaxCopyThreads() {
   return std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, kOutputThreads);
 }
 
+// Host threads each of `ranks` ranks stages pageable hidden states on (RankWorker::BeginTile):
+// every rank stages the same rows, so each gets its share of MaxCopyThreads.
+inline size_t StagingThreads(int ranks) {
+  return std::max<size_t>(1, MaxCopyThreads() / static_cast<size_t>(std::max(1, ranks)));
+}
+
 class RankWorker final : public ShardedRank {
  public:
   RankWorker(Rank& rank, const JobPlan& plan, int num_ranks, JobFailure& failure, FatalState& fatal,
