@@ -35,6 +35,7 @@
 #include "server/backend/cuda/job_plan.h"
 #include "server/backend/cuda/job_trace.h"
 #include "server/backend/cuda/nccl_communicator.h"
+#include "server/backend/cuda/prestage.h"
 #include "server/backend/cuda/rank.h"
 #include "server/backend/cuda/rank_worker.h"
 #include "server/backend/cuda/watchdog.h"
@@ -63,6 +64,7 @@ using cuda_internal::kNoBadRow;
 using cuda_internal::kTileEvents;
 using cuda_internal::LtHandle;
 using cuda_internal::ParseTestFault;
+using cuda_internal::Prestager;
 using cuda_internal::Rank;
 using cuda_internal::RankWorker;
 using cuda_internal::RoundUp;
@@ -78,9 +80,15 @@ class CudaBackend final : public Backend {
         fused_(fused),
         fused_cluster_(cluster),
         ranks_(std::move(ranks)) {
+    std::vector<int> devices;
     for (auto& r : ranks_) {
       if (r->nccl != nullptr) r->nccl->set_fatal_state(&fatal_);
+      devices.push_back(r->device);
     }
+    // A slot per job that may wait for the ranks (the scheduler's two workers), 32 MiB each per
+    // distribution: a 2048-row tile of H = 8192 bf16.
+    prestager_ =
+        std::make_unique<Prestager>(devices, 2, size_t{32} << 20, cuda_internal::MaxCopyThreads());
   }
 
   std::string name() const override { return "cuda"; }
@@ -119,15 +127,13 @@ class CudaBackend final : public Backend {
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
   absl::Status CheckHead(const DistributionInput& in) const;
 
-  // Rows per row tile of a fused hidden-mode job (JobPlan::fused).
-  int64_t FusedTileRows(const ScoreJob& job, bool keeps_logits, int64_t widest) const;
-
   const CudaBackendOptions options_;
   const TestFault fault_;
   // Every rank's device runs the fused hidden-mode kernel (JobPlan::fused: options_ say when).
   const bool fused_;
   const std::optional<kc::HiddenCluster> fused_cluster_;  // none: "auto"
   std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<Prestager> prestager_;  // first tiles uploaded before a job takes the ranks
   FatalState fatal_;
   absl::Mutex score_mu_;  // one job at a time uses the ranks
   bool shut_down_ ABSL_GUARDED_BY(score_mu_) = false;
@@ -316,7 +322,8 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     p.two_gemm_streams = false;
     // One chunk: the widest shard (the logits slots, when kept, and the top-k / JSD sources).
     p.chunk_cols = RoundUp(std::max<int64_t>(widest, 1), 8);
-    p.tile_rows = FusedTileRows(job, p.fused_logits, p.chunk_cols);
+    p.tile_rows = cuda_internal::FusedTileRows(options_.hidden_fused_tile_rows, job, p.fused_logits,
+                                               p.chunk_cols);
   } else if (p.any_hidden) {
     // The GEMM's shape: the full row tile, or for a job of fewer rows the shortest short tile
     // that holds them and that every head's pinned GEMM runs (the same kernel: same bits).
@@ -359,18 +366,6 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   return p;
 }
 
-int64_t CudaBackend::FusedTileRows(const ScoreJob& job, bool keeps_logits, int64_t widest) const {
-  int64_t rows = options_.hidden_fused_tile_rows > 0 ? options_.hidden_fused_tile_rows
-                                                     : cuda_internal::kFusedTileRows;
-  if (keeps_logits && options_.hidden_fused_tile_rows == 0) {
-    const int64_t dists = job.NeedsReference() ? 2 : 1;
-    rows = std::min(rows, cuda_internal::kFusedLogitsBytes / (2 * dists * widest * 4));
-  }
-  // Whole 128-row CTA tiles, no more than the job needs (any count gives the same bits).
-  rows = std::min(rows, RoundUp(job.rows, 128));
-  return std::max<int64_t>(rows / 128 * 128, 128);
-}
-
 absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   JobTrace::Begin(static_cast<long>(job.rows));
   struct TraceEnd {
@@ -388,8 +383,13 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   }
   LOGITSERVE_ASSIGN_OR_RETURN(JobPlan plan, Plan(job));
   JobTrace::Mark("planned");
-
+  // While an earlier job holds the ranks, this one's first tile goes up beside its kernels.
+  const Prestager::Lease prestaged =
+      plan.any_hidden ? prestager_->Stage(job, plan.pair, plan.tile_rows) : Prestager::Lease();
+  plan.prestaged = prestaged.tile();
+  JobTrace::Mark("prestaged");
   absl::MutexLock lock(&score_mu_);
+  JobTrace::Mark("ranks taken", ranks_[0]->gemm_stream.get());
   if (absl::Status h = Health(); !h.ok()) return h;  // failed while this job waited
   const int ranks = static_cast<int>(ranks_.size());
   std::vector<absl::Status> status(static_cast<size_t>(ranks));

@@ -4,6 +4,7 @@
 // rank threads start; never written after.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cuda_kernels.h"
 #include "server/backend/backend.h"
+#include "server/backend/cuda/prestage.h"
 
 namespace logitserve::cuda_internal {
 
@@ -41,6 +43,21 @@ constexpr int32_t kNoBadRow = 0x7f7f7f7f;
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t CeilDiv(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Rows per row tile of a fused hidden-mode job (JobPlan::fused): `option_rows`
+// (CudaBackendOptions::hidden_fused_tile_rows) or kFusedTileRows, fewer when the job keeps its
+// logits (`widest`: the slot's columns).
+inline int64_t FusedTileRows(int64_t option_rows, const ScoreJob& job, bool keeps_logits,
+                             int64_t widest) {
+  int64_t rows = option_rows > 0 ? option_rows : kFusedTileRows;
+  if (keeps_logits && option_rows == 0) {
+    const int64_t dists = job.NeedsReference() ? 2 : 1;
+    rows = std::min(rows, kFusedLogitsBytes / (2 * dists * widest * 4));
+  }
+  // Whole 128-row CTA tiles, no more than the job needs (any count gives the same bits).
+  rows = std::min(rows, RoundUp(job.rows, 128));
+  return std::max<int64_t>(rows / 128 * 128, 128);
+}
 
 // Read-only description of one job, shared by the rank workers.
 // CudaBackendOptions::hidden_fused_cluster "auto": clusters of two row tiles (each CTA pair
@@ -89,6 +106,8 @@ struct JobPlan {
   bool pageable_logits = false;
   bool model_pageable_hidden = false;
   bool ref_pageable_hidden = false;
+  // Hidden mode: the first tile's host rows already on the ranks' devices (prestage.h), or null.
+  const PrestagedTile* prestaged = nullptr;
 };
 
 // The statistics records inside one rank's tile message (kc::TileMessage's layout).

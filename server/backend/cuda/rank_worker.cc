@@ -270,7 +270,15 @@ absl::Status RankWorker::BeginTile(Dist& d, int64_t row0, int64_t rows,
   const cudaStream_t up = plan_.fused || tile == 0 ? on : rank_.upload_stream.get();
   const size_t e = static_cast<size_t>(d.index) * 2 + parity;  // raw_ready / raw_free
   uint16_t* x_parts = d.x_parts + b * d.x_elems;
-  if (!d.direct) {
+  const PrestagedTile* pre = tile == 0 ? plan_.prestaged : nullptr;
+  const uint8_t* prestaged =
+      pre != nullptr ? pre->device[static_cast<size_t>(rank_.index)][static_cast<size_t>(d.index)]
+                     : nullptr;
+  if (!d.direct && prestaged != nullptr) {  // uploaded before the job took the ranks
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(
+        cudaStreamWaitEvent(on, pre->ready[static_cast<size_t>(rank_.index)], 0));
+    src = prestaged;
+  } else if (!d.direct) {
     if (d.pinned[0] != nullptr) {
       // Run() has waited for tile t - 2, the last reader of this pinned tile.
       uint8_t* pinned = d.pinned[parity];
