@@ -778,9 +778,10 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // (the GEMMs fill the logits slots in turn on their own stream without one, keep every chunk of
 // the row tile with one), also with both distributions' GEMMs on one stream (hidden_gemm_streams
 // 1; by default the reference's have their own) and with two or three logits slots (hidden_slots;
-// one by default). V = 20000: three GEMM chunks per row tile (two slots of two chunks by default),
-// so a tile reuses a logits slot; N = 4200: three row tiles of 2048 (the last short), so slots and
-// pinned buffers are reused across tiles.
+// one by default), and with the first row tile of host inputs staged by the ranks once the job
+// holds them instead of prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile
+// (two slots of two chunks by default), so a tile reuses a logits slot; N = 4200: three row tiles
+// of 2048 (the last short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   constexpr int64_t kVocab = 20000, kH = 96, kN = 4200;
   static_assert(kN > 2 * kCudaRowTile && kN < 3 * kCudaRowTile);
@@ -799,6 +800,13 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
                                      o.hidden_fused_max_hidden = 0;
                                      o.devices = {0};
                                      o.hidden_gemm_streams = 1;
+                                     return CreateCudaBackend(o);
+                                   }});
+  layouts.push_back(BackendFactory{"one_gpu_no_prestage", [] {
+                                     CudaBackendOptions o;
+                                     o.hidden_fused_max_hidden = 0;
+                                     o.devices = {0};
+                                     o.prestage_bytes = 0;
                                      return CreateCudaBackend(o);
                                    }});
   for (int slots : {2, 3}) {

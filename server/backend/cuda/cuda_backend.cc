@@ -85,10 +85,10 @@ class CudaBackend final : public Backend {
       if (r->nccl != nullptr) r->nccl->set_fatal_state(&fatal_);
       devices.push_back(r->device);
     }
-    // A slot per job that may wait for the ranks (the scheduler's two workers), 32 MiB each per
-    // distribution: a 2048-row tile of H = 8192 bf16.
-    prestager_ =
-        std::make_unique<Prestager>(devices, 2, size_t{32} << 20, cuda_internal::MaxCopyThreads());
+    if (options_.prestage_bytes > 0) {  // a slot per job waiting for the ranks (two workers)
+      prestager_ = std::make_unique<Prestager>(devices, 2, options_.prestage_bytes,
+                                               cuda_internal::MaxCopyThreads());
+    }
   }
 
   std::string name() const override { return "cuda"; }
@@ -384,8 +384,9 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
   LOGITSERVE_ASSIGN_OR_RETURN(JobPlan plan, Plan(job));
   JobTrace::Mark("planned");
   // While an earlier job holds the ranks, this one's first tile goes up beside its kernels.
-  const Prestager::Lease prestaged =
-      plan.any_hidden ? prestager_->Stage(job, plan.pair, plan.tile_rows) : Prestager::Lease();
+  const Prestager::Lease prestaged = prestager_ != nullptr
+                                         ? prestager_->Stage(job, plan.pair, plan.tile_rows)
+                                         : Prestager::Lease();
   plan.prestaged = prestaged.tile();
   JobTrace::Mark("prestaged");
   absl::MutexLock lock(&score_mu_);

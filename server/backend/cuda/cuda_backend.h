@@ -167,6 +167,12 @@ struct CudaBackendOptions {
   // hidden_stats_test).
   int64_t hidden_fused_tile_rows = 0;
   std::string hidden_fused_cluster = "auto";
+  // Hidden mode, inputs in host memory: the first row tile of a job is copied to pinned memory
+  // and up to every rank's device before the job takes the ranks, beside the running job's
+  // kernels (server/backend/cuda/prestage.h), when it holds at most this many bytes a
+  // distribution; two such tiles at once, each distribution's on every device. 0 = off (the
+  // ranks stage every tile once the job holds them). The same bytes: never changes a result.
+  size_t prestage_bytes = size_t{32} << 20;
   // Testing only: rank `test_fail_rank` (-1 = none) reports an INTERNAL error at its checkpoint
   // number `test_fail_step` of every job that reaches it (checkpoints are numbered from 0 in the
   // order the ranks meet before each all-gather: one per row tile, two with a JSD pass). Exercises
