@@ -48,8 +48,9 @@ inline constexpr int64_t kCudaVocabChunk = 8192;            // vocabulary ids pe
 inline constexpr size_t kCublasWorkspaceBytes = 32u << 20;  // NVIDIA's recommendation for Hopper
 // Row tiles for jobs of fewer rows than the full tile (a 64-row job would otherwise multiply 2048
 // rows) and for a job's last, partial row tile, where cuBLASLt accepts the pinned algorithm for
-// them (cublasLtMatmulAlgoCheck).
-inline constexpr int64_t kCudaShortRowTiles[] = {128, 256, 512, 1024};
+// them (cublasLtMatmulAlgoCheck). 768 and 1536: a pipelined client's 511-row chunks merge into
+// batches of 1533 rows (and tails of 1529 after two full tiles), which multiplied 2048 rows.
+inline constexpr int64_t kCudaShortRowTiles[] = {128, 256, 512, 768, 1024, 1536};
 
 // The shape of one tile GEMM: rows x cols, ld the output's leading dimension (>= cols). When cols
 // is a multiple of kCudaVocabChunk, every multiple of kCudaVocabChunk below it also runs (the
