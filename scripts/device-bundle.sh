@@ -59,17 +59,20 @@ done
 cp bench/cuda/torch_baseline.py bench/cuda/triton_peer.py "$BUNDLE/bench/"
 # The wire benchmarks (issue 12): the runner, the Python client's benchmark and the Python package
 # with its generated stubs. The GPU machine's python3 has grpcio, protobuf and numpy but nothing
-# can be installed there, so the package is not pip-installed: the wheel the build makes (pure
-# Python, stubs generated here by protoc) is unpacked into python/, which run_wire_bench.sh puts
-# on PYTHONPATH; bin/python-check.sh prints the versions there and whether the stubs import.
+# can be installed there, so the package is not pip-installed: the wheel the build makes (stubs
+# generated here by protoc, the native send path's library in logitserve/_native/, which links the
+# gRPC C++ libraries bundled in lib/) is unpacked into python/, which run_wire_bench.sh puts on
+# PYTHONPATH; bin/python-check.sh prints the versions there and whether the stubs import.
 cp bench/rpc/run_wire_bench.sh bench/rpc/wire_bench.py bench/rpc/run_service_bench.sh bench/rpc/thread_cpu.py \
   "$BUNDLE/bench/"
 bundle_python=/usr/bin/python3  # Debian's, with python3-build / -setuptools / -wheel (as CI)
 [ -x "$bundle_python" ] || bundle_python=$(command -v python3)
+cmake --build "$BUILD_DIR" -j"$JOBS" --target logitserve_python_native
+native_lib=$(find "$BUILD_DIR/client/python" -maxdepth 1 -name liblogitserve_native.so | head -1)
 if bash client/python/ci/build_dist.sh "$bundle_python" "$BUILD_DIR/bundle-python-stage" \
-    "$BUILD_DIR/bundle-python-dist" > "$BUILD_DIR/bundle-python.log" 2>&1; then
+    "$BUILD_DIR/bundle-python-dist" "$native_lib" > "$BUILD_DIR/bundle-python.log" 2>&1; then
   mkdir -p "$BUNDLE/python"
-  "$bundle_python" - "$BUILD_DIR"/bundle-python-dist/logitserve-*-py3-none-any.whl \
+  "$bundle_python" - "$BUILD_DIR"/bundle-python-dist/logitserve-*.whl \
       "$BUNDLE/python" <<'PY'
 import sys, zipfile
 wheel, out = sys.argv[1], sys.argv[2]
@@ -91,7 +94,7 @@ cp bench/rpc/python-check.sh "$BUNDLE/bin/"
 # Shared libraries: everything ldd resolves, minus the system's own C/C++ runtime and NCCL.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libmvec\.|libpthread\.|libdl\.|librt\.|libresolv\.|libutil\.|libanl\.|libnsl\.|libBrokenLocale\.|libnss_|libstdc\+\+\.|libgcc_s\.|libnccl\.)'
 cuda_libs='^(libcublas|libcublasLt|libcudart)\.'
-for bin in "$BUNDLE"/bin/*; do
+for bin in "$BUNDLE"/bin/* "$BUNDLE"/python/logitserve/_native/*.so; do
   ldd "$bin" >/dev/null 2>&1 || continue  # the scripts among them
   ldd "$bin" | awk '/=> \// {print $1, $3}'
 done | sort -u | while read -r name path; do

@@ -65,6 +65,8 @@ if ! "$PYTHON" -B -c 'import logitserve.v1.logitserve_pb2_grpc' 2> "$OUT/python-
     export PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
   fi
 fi
+"$PYTHON" -B -c 'import logitserve._native as n
+print("python native send path:", n.library() is not None, n.load_error())' || true
 "$PYTHON" "$PY_BENCH" --target "$ADDR" --rows "$ROWS" --iters "$ITERS" \
   --rate-seconds "$RATE_SECONDS" --transfer-json "$OUT/wire_cpp.json" \
   ${PIPELINE_ARGS:-} --json "$OUT/wire_py.json" || rc=$?

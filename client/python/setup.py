@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -107,6 +107,28 @@ class SdistWithProtosAndStubs(sdist):
             generate_stubs(base_dir)
 
 
+NATIVE_LIB = os.path.join("_native", "liblogitserve_native.so")
+HAVE_NATIVE = os.path.isfile(os.path.join(HERE, "logitserve", NATIVE_LIB))
+cmdclass = {"build_py": BuildPyWithStubs, "sdist": SdistWithProtosAndStubs}
+distclass = Distribution
+if HAVE_NATIVE:
+    # The build put the native send path's library into the package (ci/build_dist.sh): a wheel
+    # for this platform (platlib), for any Python 3 (the library is loaded with ctypes, not
+    # imported as a module, so no interpreter ABI tag).
+    from wheel.bdist_wheel import bdist_wheel
+
+    class DistributionWithNativeLibrary(Distribution):
+        def has_ext_modules(self):
+            return True
+
+    class BdistWheelAnyPython(bdist_wheel):
+        def get_tag(self):
+            return ("py3", "none") + tuple(super().get_tag()[2:])
+
+    distclass = DistributionWithNativeLibrary
+    cmdclass["bdist_wheel"] = BdistWheelAnyPython
+
 # logitserve.v1 (the stubs) is a package of its own once shipped; otherwise build_py writes it.
 setup(packages=["logitserve"] + (["logitserve.v1"] if have_shipped_stubs() else []),
-      cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtosAndStubs})
+      package_data={"logitserve": [NATIVE_LIB]} if HAVE_NATIVE else {},
+      cmdclass=cmdclass, distclass=distclass)

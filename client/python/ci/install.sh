@@ -5,10 +5,11 @@
 # only because the sdist ships the generated stubs. PyPI is not reachable from CI, so the venvs use
 # --system-site-packages for the dependencies (Debian's python3-grpcio, -protobuf, -numpy, -pytest);
 # the logitserve package itself comes only from the wheel / sdist.
-#   ci/install.sh PYTHON3 VENV_DIR DIST_DIR
+# With `native`, the wheel must ship the native send path's library and its venv must load it.
+#   ci/install.sh PYTHON3 VENV_DIR DIST_DIR [native]
 set -euo pipefail
-PYTHON3="$1"; VENV="$2"; DIST="$3"
-wheel=$(ls "$DIST"/logitserve-*-py3-none-any.whl)
+PYTHON3="$1"; VENV="$2"; DIST="$3"; NATIVE="${4:-}"
+wheel=$(ls "$DIST"/logitserve-*.whl)
 sdist=$(ls "$DIST"/logitserve-*.tar.gz)
 for archive in "$wheel" "$sdist"; do
   "$PYTHON3" - "$archive" <<'PY'
@@ -30,6 +31,14 @@ rm -rf "$VENV" "$VENV-sdist"
 "$PYTHON3" -m venv --system-site-packages "$VENV-sdist"
 PROTOC=/nonexistent/protoc GRPC_PYTHON_PLUGIN=/nonexistent/grpc_python_plugin \
   "$VENV-sdist/bin/python" -m pip install --quiet --no-index --no-deps --no-build-isolation "$sdist"
+
+if [ "$NATIVE" = native ]; then
+  (cd "$VENV" && "$VENV/bin/python" -c "
+import logitserve._native as n
+assert n.library() is not None, n.load_error()
+assert n.library_path().startswith('$VENV'), n.library_path()
+print('native send path:', n.library_path())")
+fi
 
 for v in "$VENV" "$VENV-sdist"; do
   (cd "$v" && "$v/bin/python" -c "

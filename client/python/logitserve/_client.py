@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from . import _api, _malloc, _pb, _session, _shm_channel, _wire
+from . import _api, _malloc, _native, _pb, _session, _shm_channel, _wire
 from ._errors import DeadlineExceeded, LogitserveError, from_rpc_error
 
 
@@ -27,12 +27,13 @@ class _SentChunks:
         self._futures = []
         self._cancelled = False
 
-    def send(self, method, request, chunk, deadline, metadata):
-        """Encodes rows `chunk` of `request` and issues it (runs on a sender thread); returns the
-        grpcio future, or None once the attempt was cancelled."""
+    def send(self, method, encode, request, chunk, deadline, metadata):
+        """Encodes rows `chunk` of `request` with `encode` and issues it (runs on a sender
+        thread); returns the future (grpcio's or a NativeCall), or None once the attempt was
+        cancelled."""
         if self._cancelled:  # read without the lock: at worst one more chunk is encoded
             return None
-        wire = _wire.serialize(_api.chunk_request(request, chunk))
+        wire = encode(_api.chunk_request(request, chunk))
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         future = method.future(wire, timeout=timeout, metadata=metadata)
         with self._lock:
@@ -197,6 +198,13 @@ class Client:
       shm_channel_spin_us
                      how long a channel call spins (holding the GIL) for its answer before it
                      sleeps on the futex, microseconds (default 0: sleep at once)
+      native         Score calls that carry array bytes (unary, and each pipelined chunk) go
+                     through the package's native library (gRPC C++, logitserve/_native.py):
+                     the arrays are sent in place, without grpcio's copy and without the GIL.
+                     None (default): when the library loads (the build's wheel ships it;
+                     $LOGITSERVE_NATIVE_LIB; LOGITSERVE_NATIVE=0 turns it off); True: required
+                     (ValueError without it); False: grpcio for every call. Its connections are
+                     its own (pipeline_streams of them); results are bitwise the same.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
@@ -204,7 +212,7 @@ class Client:
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
                  pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True,
-                 session_streams=8, shm_channels=8, shm_channel_spin_us=0):
+                 session_streams=8, shm_channels=8, shm_channel_spin_us=0, native=None):
         if shm_channels is None or int(shm_channels) < 0 or shm_channel_spin_us < 0:
             raise ValueError("shm_channels and shm_channel_spin_us must be >= 0")
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
@@ -243,6 +251,15 @@ class Client:
             ch.unary_unary(_wire.SCORE_METHOD, request_serializer=None,
                            response_deserializer=_wire.parse_score_response)
             for ch in [self._channel] + self._pipeline_channels]
+        self._pipeline_encode = _wire.serialize
+        self._score_bytes = self._score  # Score calls that carry array bytes
+        self._native_channels = self._open_native(native)
+        if self._native_channels:
+            methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
+                       for ch in self._native_channels]
+            self._score_bytes = methods[0]
+            self._pipeline_byte_methods = methods
+            self._pipeline_encode = lambda r: r  # sent as pieces, arrays in place
         self._sender_pool = None
         # Session streams for requests without tensor bytes (on the main channel).
         self._sessions = None
@@ -257,6 +274,30 @@ class Client:
         self._limits = None
         self._lock = threading.Lock()
 
+    def _open_native(self, native):
+        """The native channels (one per pipeline stream, each its own connection), or [] when
+        the native path is off or its library does not load."""
+        if native is False:
+            return []
+        lib = _native.library()
+        if lib is None:
+            if native:
+                raise ValueError("native=True, but the native library is unusable: "
+                                 + _native.load_error())
+            return []
+        channels = []
+        for i in range(self._s.pipeline_streams):
+            opts = list(self._s.options)
+            if i:
+                opts += [("grpc.use_local_subchannel_pool", 1), ("logitserve.pipeline_stream", i)]
+            channels.append(_native.NativeChannel(lib, self._s.target, opts, self._s.tls))
+        return channels
+
+    @property
+    def native(self):
+        """Whether Score calls with array bytes go through the native library."""
+        return bool(self._native_channels)
+
     @property
     def target(self):
         return self._s.target
@@ -266,6 +307,8 @@ class Client:
             pool, self._sender_pool = self._sender_pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        for ch in self._native_channels:
+            ch.close()
         if self._channels is not None:
             self._channels.close()  # cancels the idle channels' calls
         if self._sessions is not None:
@@ -368,7 +411,7 @@ class Client:
                                                 self._s.timeout)
                 if response is not None:
                     return response
-        return self._call(self._score, request)
+        return self._call(self._score_bytes if request.arrays else self._score, request)
 
     def _score_pipelined(self, request, meta, chunks):
         """The chunks as unary Score calls kept in flight together: chunk i on connection
@@ -415,8 +458,8 @@ class Client:
                         if deadline is not None and deadline <= time.monotonic():
                             raise expired()
                         pending.append((issued, senders.submit(
-                            sent.send, methods[issued % streams], request, chunks[issued],
-                            deadline, metadata)))
+                            sent.send, methods[issued % streams], self._pipeline_encode,
+                            request, chunks[issued], deadline, metadata)))
                         issued += 1
                     i, task = pending.popleft()
                     try:

@@ -158,8 +158,9 @@ class WireRequest:
         return _pb.pb2().ScoreRequest.FromString(serialize(self))
 
 
-def _parts(request):
-    """The wire bytes of a WireRequest (or of a plain protobuf message) as a list of buffers."""
+def pieces(request):
+    """The wire bytes of a WireRequest (or of a plain protobuf message) as a list of bytes
+    objects and C-contiguous numpy arrays (the rows, in place), in order."""
     if not isinstance(request, WireRequest):
         return [request.SerializeToString()]
     parts = [request.message_bytes()]
@@ -168,8 +169,13 @@ def _parts(request):
         n = rows.nbytes
         inner = _tag(_TENSOR_DATA_FIELD, _LEN) + _varint(n)
         parts.append(_tag(ROW_TENSOR_FIELDS[field], _LEN) + _varint(len(inner) + n) + inner)
-        parts.append(memoryview(rows).cast("B") if n else b"")
+        parts.append(rows if n else b"")
     return parts
+
+
+def _parts(request):
+    """pieces() with the arrays as byte memoryviews (what bytes.join takes)."""
+    return [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in pieces(request)]
 
 
 def serialize(request):
