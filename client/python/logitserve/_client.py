@@ -420,10 +420,11 @@ class Client:
         order on this thread.
 
         Each chunk is encoded and issued (as a grpcio future) on one of the client's sender
-        threads (_senders), not on this one. Per chunk the client copies the rows once into the
-        request bytes (one bytes.join of a small protobuf prefix and the rows' memory: the only
-        copy this package makes, and bytes.join releases the GIL while it copies more than
-        1 MiB); grpcio copies those bytes into a slice under the GIL, and gRPC's transport then
+        threads (_senders), not on this one. Through the native send path (the default where
+        its library loads; logitserve/_native.py) a chunk is its encoded prefix plus the rows in
+        place, started and awaited without the GIL. Through grpcio: per chunk the client copies
+        the rows once into the request bytes (one bytes.join of a small protobuf prefix and the
+        rows' memory, which releases the GIL while it copies more than 1 MiB); grpcio copies those bytes into a slice under the GIL, and gRPC's transport then
         usually writes them to the socket on the same thread, without the GIL. With one issuing
         thread those three steps of every chunk add up; with two, one chunk's copy into the
         request and its socket write overlap the next chunk's grpcio copy. (A ScoreStream per
