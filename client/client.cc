@@ -371,9 +371,10 @@ absl::StatusOr<v1::ScoreResponse> Client::ScoreOnce(const v1::ScoreRequest& requ
   // call's critical path (measured: as much client CPU as the socket write itself).
   // A request without tensor bytes (shared-memory inputs) is a few hundred bytes: it is
   // serialized as is, skipping RequestWithoutRows' reflection walk and the slice assembly.
+  SliceLease lease;  // before body: gRPC may hold its slices past the call (pipeline.h)
   grpc::ByteBuffer body;
   if (CarriesTensorBytes(request)) {
-    body = RequestBytes(request, RequestWithoutRows(request));
+    body = RequestBytes(request, RequestWithoutRows(request), lease);
   } else {
     if (options_.shm_channels > 0) {
       std::optional<absl::StatusOr<v1::ScoreResponse>> answer = ScoreOnShmChannel(request);
@@ -474,6 +475,7 @@ absl::StatusOr<ScoreOutput> Client::Score(const v1::ScoreRequest& request) {
 absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& request,
                                                    const std::vector<RowChunk>& plan) {
   const v1::ScoreRequest without_rows = RequestWithoutRows(request);
+  SliceLease lease;  // the chunks' slices over `request` (pipeline.h); waited for on return
   // Chunk i goes on stream i % streams; each stream runs on its own thread and connection.
   const size_t streams = std::min(plan.size(), pipeline_stubs_.size());
   std::vector<PipelineOutcome> outcomes(streams);
@@ -493,7 +495,7 @@ absl::StatusOr<ScoreOutput> Client::ScorePipelined(const v1::ScoreRequest& reque
       outcomes[s] = RunPipeline(
           *pipeline_stubs_[s], *contexts[s], count,
           [&](size_t j) {
-            return ChunkBytes(request, without_rows, plan[s + j * streams], absl::StrCat(j));
+            return ChunkBytes(request, without_rows, plan[s + j * streams], absl::StrCat(j), lease);
           },
           options_.pipeline_depth);
       if (outcomes[s].failed_chunk >= 0 || !outcomes[s].stream_status.ok()) {

@@ -198,7 +198,8 @@ namespace {
 
 // Appends one more occurrence of the Tensor field `field` holding only `bytes` as its data: a
 // prefix slice (tags and lengths) and a slice pointing at `bytes`. Returns the bytes appended.
-size_t AppendDataOccurrence(int field, absl::string_view bytes, std::vector<grpc::Slice>& slices) {
+size_t AppendDataOccurrence(int field, absl::string_view bytes, SliceLease& lease,
+                            std::vector<grpc::Slice>& slices) {
   std::string inner;
   AppendTag(kTensorDataField, inner);
   AppendVarint(bytes.size(), inner);
@@ -208,7 +209,7 @@ size_t AppendDataOccurrence(int field, absl::string_view bytes, std::vector<grpc
   prefix += inner;
   const size_t appended = prefix.size() + bytes.size();
   slices.emplace_back(std::move(prefix));
-  if (!bytes.empty()) slices.emplace_back(bytes.data(), bytes.size(), grpc::Slice::STATIC_SLICE);
+  if (!bytes.empty()) slices.push_back(lease.Wrap(bytes));
   return appended;
 }
 
@@ -216,7 +217,7 @@ size_t AppendDataOccurrence(int field, absl::string_view bytes, std::vector<grpc
 // `reserved` empty leading slices; returns the message's byte length (reserved slices excluded).
 size_t RequestSlices(const v1::ScoreRequest& request, const v1::ScoreRequest& request_without_rows,
                      const RowChunk& chunk, const std::string* request_id, size_t reserved,
-                     std::vector<grpc::Slice>& slices) {
+                     SliceLease& lease, std::vector<grpc::Slice>& slices) {
   v1::ScoreRequest header = request_without_rows;
   if (request_id != nullptr) header.set_request_id(*request_id);
   for (int64_t s = chunk.seq_begin; s < chunk.seq_end; ++s) {
@@ -273,7 +274,7 @@ size_t RequestSlices(const v1::ScoreRequest& request, const v1::ScoreRequest& re
   slices.emplace_back(header.SerializeAsString());
   request_bytes += slices.back().size();
   for (const auto& [field, bytes] : data)
-    request_bytes += AppendDataOccurrence(field, bytes, slices);
+    request_bytes += AppendDataOccurrence(field, bytes, lease, slices);
   return request_bytes;
 }
 
@@ -281,11 +282,11 @@ size_t RequestSlices(const v1::ScoreRequest& request, const v1::ScoreRequest& re
 
 grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                             const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
-                            const std::string& request_id) {
+                            const std::string& request_id, SliceLease& lease) {
   // Slot 0: the ScoreStreamRequest's tag and length, once the request's size is known.
   std::vector<grpc::Slice> slices;
   const size_t request_bytes =
-      RequestSlices(request, request_without_rows, chunk, &request_id, 1, slices);
+      RequestSlices(request, request_without_rows, chunk, &request_id, 1, lease, slices);
   std::string wrapper;
   AppendTag(kStreamRequestField, wrapper);
   AppendVarint(request_bytes, wrapper);
@@ -294,7 +295,7 @@ grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
 }
 
 grpc::ByteBuffer RequestBytes(const v1::ScoreRequest& request,
-                              const v1::ScoreRequest& request_without_rows) {
+                              const v1::ScoreRequest& request_without_rows, SliceLease& lease) {
   v1::ScoreRequest header = request_without_rows;
   *header.mutable_sequence_lengths() = request.sequence_lengths();
   struct Row {
@@ -324,8 +325,33 @@ grpc::ByteBuffer RequestBytes(const v1::ScoreRequest& request,
   }
   std::vector<grpc::Slice> slices;
   slices.emplace_back(header.SerializeAsString());
-  for (const auto& [field, bytes] : data) AppendDataOccurrence(field, bytes, slices);
+  for (const auto& [field, bytes] : data) AppendDataOccurrence(field, bytes, lease, slices);
   return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::Slice SliceLease::Wrap(absl::string_view bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++held_;
+  }
+  return grpc::Slice(const_cast<char*>(bytes.data()), bytes.size(), &SliceLease::Release, this);
+}
+
+void SliceLease::Release(void* lease) {
+  auto* self = static_cast<SliceLease*>(lease);
+  absl::MutexLock lock(&self->mu_);
+  --self->held_;
+}
+
+void SliceLease::WaitReleased() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](int64_t* held) { return *held == 0; }, &held_));
+}
+
+int64_t SliceLease::held() const {
+  absl::MutexLock lock(&mu_);
+  return held_;
 }
 
 PipelineOutcome RunPipeline(grpc::GenericStub& stub, grpc::ClientContext& context, size_t chunks,

@@ -13,7 +13,7 @@
 //
 // Thread safety: RunPipeline blocks the calling thread until the call is done; `make_chunk` runs
 // on gRPC's callback threads, one chunk at a time. The request behind the chunks' slices must
-// outlive the call.
+// outlive their SliceLease's WaitReleased, which may be after the call.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +22,8 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -31,6 +33,32 @@
 namespace logitserve::client {
 
 struct RowChunk;  // client/request_split.h
+
+// Counts the slices ChunkBytes and RequestBytes make over the caller's request bytes. gRPC's
+// transport may hold such a slice after the call that sent it completed (a cancelled stream's
+// frames still in a socket write), so the request must outlive the slices, not only the call:
+// WaitReleased (and the destructor) blocks until gRPC has dropped every one. Declare the lease
+// before the buffers and calls that use it, so it is destroyed after them.
+//
+// Thread safety: Wrap from any thread; gRPC releases slices on its own threads.
+class SliceLease {
+ public:
+  SliceLease() = default;
+  ~SliceLease() { WaitReleased(); }
+  SliceLease(const SliceLease&) = delete;
+  SliceLease& operator=(const SliceLease&) = delete;
+
+  // A slice over `bytes` (not copied), counted until gRPC drops its last reference.
+  grpc::Slice Wrap(absl::string_view bytes);
+  void WaitReleased();
+  int64_t held() const;
+
+ private:
+  static void Release(void* lease);
+
+  mutable absl::Mutex mu_;
+  int64_t held_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 struct PipelineOutcome {
   // The ScoreStream call's own status (CANCELLED when a chunk failed and the call was cancelled).
@@ -46,19 +74,20 @@ struct PipelineOutcome {
 // `request_id`. Its `request` is `request_without_rows` (the request with its row tensors and
 // sequence_lengths cleared) with the chunk's shapes and sequence lengths, then each row tensor's
 // rows as one more occurrence of the tensor field holding only `data` (protobuf parsers merge
-// repeated occurrences of an embedded message). The data slices point into `request`, which must
-// outlive the buffer.
+// repeated occurrences of an embedded message). The data slices point into `request` and are
+// counted by `lease`: `request` must outlive lease.WaitReleased().
 grpc::ByteBuffer ChunkBytes(const v1::ScoreRequest& request,
                             const v1::ScoreRequest& request_without_rows, const RowChunk& chunk,
-                            const std::string& request_id);
+                            const std::string& request_id, SliceLease& lease);
 
 // The wire bytes of `request` as one ScoreRequest message (the unary Score's body), without
 // copying its tensor bytes: `request_without_rows` (RequestWithoutRows(request)) with the
 // request's sequence lengths and each row tensor's dtype, shape and shared-memory reference, then
 // each tensor's `data` as one more occurrence of its field, a slice pointing into `request`
-// (which must outlive the buffer). It parses as `request` itself: nothing is re-cut or checked.
+// counted by `lease` (`request` must outlive lease.WaitReleased()). It parses as `request`
+// itself: nothing is re-cut or checked.
 grpc::ByteBuffer RequestBytes(const v1::ScoreRequest& request,
-                              const v1::ScoreRequest& request_without_rows);
+                              const v1::ScoreRequest& request_without_rows, SliceLease& lease);
 
 // Sends `chunks` chunk buffers made by make_chunk(i) (which must carry request_id i, decimal)
 // over one ScoreStream on `context`, keeping at most `depth` (>= 1) unanswered. A

@@ -224,7 +224,8 @@ TEST(RequestWithoutRowsTest, KeepsEveryOtherFieldAndNoRowBytes) {
 // The unary Score's zero-copy body parses as the request itself: same fields, same bytes, nothing
 // re-cut (an inconsistent request reaches the server as sent, so the server names its problem).
 v1::ScoreRequest ParsedRequestBytes(const v1::ScoreRequest& r) {
-  grpc::ByteBuffer body = RequestBytes(r, RequestWithoutRows(r));
+  SliceLease lease;
+  grpc::ByteBuffer body = RequestBytes(r, RequestWithoutRows(r), lease);
   v1::ScoreRequest parsed;
   EXPECT_TRUE(grpc::SerializationTraits<v1::ScoreRequest>::Deserialize(&body, &parsed).ok());
   return parsed;
@@ -243,6 +244,34 @@ TEST(RequestBytesTest, ParsesAsTheRequestItself) {
   EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, r));
   EXPECT_EQ(parsed.hidden().data(), r.hidden().data());
   EXPECT_EQ(parsed.reference_logits().data(), r.reference_logits().data());
+}
+
+// The body's data slices point at the request's own bytes and are counted by the lease until the
+// last reference to them is gone (a copy of the buffer, as gRPC's transport keeps, included).
+TEST(RequestBytesTest, TheLeaseCountsTheSlicesOverTheRequestUntilReleased) {
+  v1::ScoreRequest r = Request(6);
+  *r.mutable_hidden() = TensorOf(Iota(12), {6, 2});
+  *r.mutable_reference_logits() = TensorOf(Iota(24, 100.0f), {6, 4});
+  SliceLease lease;
+  std::optional<grpc::ByteBuffer> kept;
+  {
+    grpc::ByteBuffer body = RequestBytes(r, RequestWithoutRows(r), lease);
+    EXPECT_EQ(lease.held(), 4);  // hidden, logits, reference_logits, target_ids
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(body.Dump(&slices).ok());
+    int in_place = 0;
+    for (const grpc::Slice& slice : slices) {
+      const auto* p = reinterpret_cast<const char*>(slice.begin());
+      // Tensor.data() is the field (a string); its .data() the bytes' address.
+      in_place += (p == r.hidden().data().data() || p == r.reference_logits().data().data());
+    }
+    EXPECT_EQ(in_place, 2);
+    kept.emplace(body);  // another holder of the same slices
+  }
+  EXPECT_EQ(lease.held(), 4);
+  kept.reset();
+  EXPECT_EQ(lease.held(), 0);
+  lease.WaitReleased();  // returns at once
 }
 
 TEST(RequestBytesTest, KeepsInconsistentAndSharedMemoryTensorsAsSent) {
