@@ -1,13 +1,18 @@
 """The asyncio client (grpc.aio): the same API as Client, with coroutines."""
 
 import asyncio
+import collections
+import concurrent.futures
+import time
 
 import grpc
 import grpc.aio
 
-from . import _api, _pb, _session, _wire
-from ._client import _Settings
+from . import _api, _native, _pb, _session, _wire
+from ._client import _Pipelined, _SentChunks, _Settings
 from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
+
+_RPC_ERRORS = (grpc.aio.AioRpcError, _native.NativeRpcError)
 
 
 class AsyncClient:
@@ -17,14 +22,17 @@ class AsyncClient:
     requests are pipelined over ScoreStream as in Client. Requests without tensor bytes go over
     session streams as in Client (one per concurrent task, session_streams kept while idle).
     It keeps no shared-memory channels (Client's shm_channels): a channel call waits on a futex,
-    which would block the event loop, so those requests stay on session streams."""
+    which would block the event loop, so those requests stay on session streams. Requests that
+    carry arrays go through the native send path as in Client (`native`): each call (each
+    pipelined chunk) is started and awaited on a thread of the client's own pool, so the event
+    loop never blocks on it."""
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_retries=4,
                  initial_backoff=0.1, max_backoff=2.0, backoff_multiplier=2.0,
                  load_balancing=None, admin_token=None, split_requests=True,
                  max_rows_per_request=None, channel_options=(), pipeline_chunk_bytes=4 << 20,
                  pipeline_depth=4, pipeline_streams=2, keep_large_allocations=True,
-                 session_streams=8):
+                 session_streams=8, native=None):
         self._s = _Settings(target, token, admin_token, tls, timeout, max_retries,
                             initial_backoff, max_backoff, backoff_multiplier, load_balancing,
                             split_requests, max_rows_per_request, channel_options,
@@ -66,12 +74,29 @@ class AsyncClient:
                                                      self._s.session_streams)
         self._limits = None
         self._limits_lock = asyncio.Lock()
+        # The native send path (logitserve/_native.py) and the threads that wait on its calls.
+        self._native_methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
+                                for ch in self._s.native_channels(native)]
+        self._waiters = None
+        if self._native_methods:
+            self._waiters = concurrent.futures.ThreadPoolExecutor(
+                max(4, len(self._native_methods) * self._s.pipeline_depth),
+                thread_name_prefix="logitserve-native")
+
+    @property
+    def native(self):
+        """Whether Score calls with array bytes go through the native library."""
+        return bool(self._native_methods)
 
     @property
     def target(self):
         return self._s.target
 
     async def close(self):
+        if self._waiters is not None:
+            self._waiters.shutdown(wait=True, cancel_futures=True)
+        for m in self._native_methods:
+            m.channel.close()
         if self._sessions is not None:
             await self._sessions.close()  # half-closes the idle streams while the channel is up
         for ch in self._pipeline_channels:
@@ -91,7 +116,7 @@ class AsyncClient:
             try:
                 return await method(request, timeout=timeout or self._s.timeout,
                                     metadata=self._s.metadata(admin))
-            except grpc.aio.AioRpcError as e:
+            except _RPC_ERRORS as e:
                 if (retry and e.code() == grpc.StatusCode.UNAVAILABLE
                         and attempt < self._s.max_retries):
                     attempt += 1
@@ -152,10 +177,27 @@ class AsyncClient:
             response = await self._sessions.score(request, self._s.timeout)
             if response is not None:
                 return response
+        if self._native_methods and request.arrays:
+            return await self._call(self._native_unary, request)
         return await self._call(self._score, request)
+
+    async def _native_unary(self, request, timeout=None, metadata=()):
+        """One unary Score through the native send path, awaited on a waiter thread."""
+        loop = asyncio.get_running_loop()
+        sent = _SentChunks()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return await loop.run_in_executor(
+                self._waiters, _wait, sent, self._native_methods[0], request, None, deadline,
+                metadata)
+        except asyncio.CancelledError:
+            sent.cancel_all()
+            raise
 
     async def _score_pipelined(self, request, meta, chunks):
         """As Client._score_pipelined, on the event loop: chunk i on stream i % streams."""
+        if self._native_methods:
+            return await self._score_pipelined_native(request, meta, chunks)
         streams = min(len(chunks), 1 + len(self._pipeline_methods))
         responses = [None] * len(chunks)
         failed = []
@@ -230,6 +272,44 @@ class AsyncClient:
         _api.check_same_versions(responses, chunks)
         return _api.assemble(responses, chunks, meta, request.request_id)
 
+    async def _score_pipelined_native(self, request, meta, chunks):
+        """As Client._score_pipelined through the native send path: chunk i is a unary Score on
+        native channel i % streams, started and awaited on a waiter thread, at most
+        pipeline_depth unanswered per channel."""
+        methods = self._native_methods
+        streams = min(len(chunks), len(methods))
+        window = streams * self._s.pipeline_depth
+        p = _Pipelined(request, meta, chunks)
+        loop = asyncio.get_running_loop()
+
+        async def attempt(_request, timeout, metadata):
+            deadline = p.start(timeout)
+            sent = _SentChunks()
+            pending = collections.deque()  # (chunk index, asyncio future)
+            issued = 0
+            try:
+                while issued < len(chunks) or pending:
+                    while issued < len(chunks) and len(pending) < window:
+                        p.check_deadline(deadline)
+                        pending.append((issued, loop.run_in_executor(
+                            self._waiters, _wait, sent, methods[issued % streams], request,
+                            chunks[issued], deadline, metadata)))
+                        issued += 1
+                    i, future = pending.popleft()
+                    try:
+                        p.responses[i] = await future
+                    except _native.NativeRpcError as e:
+                        p.chunk_failed(i, e)
+                        return None
+            finally:
+                sent.cancel_all()
+                for _, future in pending:
+                    future.cancel()  # its outcome is not wanted (and not logged as unread)
+            return None
+
+        await self._call(attempt, None)
+        return p.result()
+
     async def score_stream(self, requests, timeout=None, raise_errors=False):
         """As Client.score_stream; `requests` may be a sync or an async iterable. An async
         generator of ScoreResults."""
@@ -295,3 +375,17 @@ class AsyncClient:
         info = await self._call(lambda m, **kw: self._stub.LoadHead(iter(m), **kw), msgs,
                                 admin=True, timeout=timeout, retry=bool(version))
         return _api.HeadInfo(info.head)
+
+
+def _wait(sent, method, request, chunk, deadline, metadata):
+    """On a waiter thread: starts rows `chunk` of `request` (all of it when None) on the native
+    `method` and waits for its response; a call whose attempt was cancelled first is never
+    started (CANCELLED)."""
+    call = sent.send(method, _same, request, chunk, deadline, metadata)
+    if call is None:
+        raise _native.NativeRpcError(grpc.StatusCode.CANCELLED.value[0], "cancelled")
+    return call.result()
+
+
+def _same(request):
+    return request  # the native path sends the request's pieces, arrays in place

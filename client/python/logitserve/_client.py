@@ -28,12 +28,12 @@ class _SentChunks:
         self._cancelled = False
 
     def send(self, method, encode, request, chunk, deadline, metadata):
-        """Encodes rows `chunk` of `request` with `encode` and issues it (runs on a sender
-        thread); returns the future (grpcio's or a NativeCall), or None once the attempt was
-        cancelled."""
+        """Encodes rows `chunk` of `request` (all of it when None) with `encode` and issues it
+        (runs on a sender thread); returns the future (grpcio's or a NativeCall), or None once
+        the attempt was cancelled."""
         if self._cancelled:  # read without the lock: at worst one more chunk is encoded
             return None
-        wire = encode(_api.chunk_request(request, chunk))
+        wire = encode(request if chunk is None else _api.chunk_request(request, chunk))
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         future = method.future(wire, timeout=timeout, metadata=metadata)
         with self._lock:
@@ -48,6 +48,51 @@ class _SentChunks:
             futures = list(self._futures)
         for f in futures:
             f.cancel()  # a no-op for finished calls
+
+
+class _Pipelined:
+    """What the sync and async pipelined loops share: the chunks' responses, the first failed
+    chunk, and what a chunk's RPC error means for the attempt."""
+
+    def __init__(self, request, meta, chunks):
+        self.request, self.meta, self.chunks = request, meta, chunks
+        self.responses = [None] * len(chunks)
+        self.failed = []
+        self.timeout = None
+
+    def start(self, timeout):
+        """Starts an attempt (a retried one starts over); returns its deadline (monotonic)."""
+        self.responses[:] = [None] * len(self.chunks)
+        del self.failed[:]
+        self.timeout = timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def expired(self):
+        return DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
+                                % (self.timeout, len(self.chunks)))
+
+    def check_deadline(self, deadline):
+        if deadline is not None and deadline <= time.monotonic():
+            raise self.expired()
+
+    def chunk_failed(self, i, e):
+        """Chunk i's RPC error `e`: UNAVAILABLE is raised (the whole request is retried: Score
+        is idempotent), a passed deadline raised as the request's; anything else is recorded and
+        the attempt stops."""
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            raise e
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.timeout:
+            raise self.expired() from None
+        self.failed.append((i, from_rpc_error(e)))
+
+    def result(self):
+        """The assembled ScoreResult, or the first failed chunk's error naming its rows."""
+        if self.failed:
+            i, error = self.failed[0]
+            raise _api.chunk_error(error, self.chunks[i], self.meta.rows,
+                                   len(self.chunks)) from None
+        _api.check_same_versions(self.responses, self.chunks)
+        return _api.assemble(self.responses, self.chunks, self.meta, self.request.request_id)
 
 
 class TlsConfig:
@@ -119,6 +164,26 @@ class _Settings:
 
     def backoff(self):
         return _api.Backoff(self.initial_backoff, self.max_backoff, self.backoff_multiplier)
+
+    def native_channels(self, native):
+        """The native send path's channels (one per pipeline stream, each its own connection),
+        or [] when `native` is False or its library does not load (ValueError then when
+        `native` is True)."""
+        if native is False:
+            return []
+        lib = _native.library()
+        if lib is None:
+            if native:
+                raise ValueError("native=True, but the native library is unusable: "
+                                 + _native.load_error())
+            return []
+        channels = []
+        for i in range(self.pipeline_streams):
+            opts = list(self.options)
+            if i:
+                opts += [("grpc.use_local_subchannel_pool", 1), ("logitserve.pipeline_stream", i)]
+            channels.append(_native.NativeChannel(lib, self.target, opts, self.tls))
+        return channels
 
     def pipeline_plan(self, request, meta, max_rows, max_bytes):
         """The chunks of a pipelined request, or None when it is not pipelined (small, no array
@@ -253,7 +318,7 @@ class Client:
             for ch in [self._channel] + self._pipeline_channels]
         self._pipeline_encode = _wire.serialize
         self._score_bytes = self._score  # Score calls that carry array bytes
-        self._native_channels = self._open_native(native)
+        self._native_channels = self._s.native_channels(native)
         if self._native_channels:
             methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
                        for ch in self._native_channels]
@@ -273,25 +338,6 @@ class Client:
                                                       int(shm_channels), shm_channel_spin_us)
         self._limits = None
         self._lock = threading.Lock()
-
-    def _open_native(self, native):
-        """The native channels (one per pipeline stream, each its own connection), or [] when
-        the native path is off or its library does not load."""
-        if native is False:
-            return []
-        lib = _native.library()
-        if lib is None:
-            if native:
-                raise ValueError("native=True, but the native library is unusable: "
-                                 + _native.load_error())
-            return []
-        channels = []
-        for i in range(self._s.pipeline_streams):
-            opts = list(self._s.options)
-            if i:
-                opts += [("grpc.use_local_subchannel_pool", 1), ("logitserve.pipeline_stream", i)]
-            channels.append(_native.NativeChannel(lib, self._s.target, opts, self._s.tls))
-        return channels
 
     @property
     def native(self):
@@ -437,40 +483,27 @@ class Client:
         methods = self._pipeline_byte_methods
         streams = min(len(chunks), len(methods))
         window = streams * max(1, self._s.pipeline_depth)
-        responses = [None] * len(chunks)
-        failed = []
+        p = _Pipelined(request, meta, chunks)
         senders = self._senders()
 
         def attempt(_request, timeout, metadata):
-            deadline = None if timeout is None else time.monotonic() + timeout
-            responses[:] = [None] * len(chunks)  # a retried attempt starts over
-            del failed[:]
+            deadline = p.start(timeout)
             sent = _SentChunks()
             pending = collections.deque()  # (chunk index, sender task -> grpcio future)
             issued = 0
-
-            def expired():
-                return DeadlineExceeded("deadline of %.3f s exceeded (%d-chunk pipelined request)"
-                                        % (timeout, len(chunks)))
-
             try:
                 while issued < len(chunks) or pending:
                     while issued < len(chunks) and len(pending) < window:
-                        if deadline is not None and deadline <= time.monotonic():
-                            raise expired()
+                        p.check_deadline(deadline)
                         pending.append((issued, senders.submit(
                             sent.send, methods[issued % streams], self._pipeline_encode,
                             request, chunks[issued], deadline, metadata)))
                         issued += 1
                     i, task = pending.popleft()
                     try:
-                        responses[i] = task.result().result()
+                        p.responses[i] = task.result().result()
                     except grpc.RpcError as e:
-                        if e.code() == grpc.StatusCode.UNAVAILABLE:
-                            raise  # the whole request is retried (Score is idempotent)
-                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout:
-                            raise expired() from None
-                        failed.append((i, from_rpc_error(e)))
+                        p.chunk_failed(i, e)
                         return None
             finally:
                 sent.cancel_all()
@@ -479,11 +512,7 @@ class Client:
             return None
 
         self._call(attempt, None)
-        if failed:
-            i, error = failed[0]
-            raise _api.chunk_error(error, chunks[i], meta.rows, len(chunks)) from None
-        _api.check_same_versions(responses, chunks)
-        return _api.assemble(responses, chunks, meta, request.request_id)
+        return p.result()
 
     def _senders(self):
         """The client's sender threads (created on the first pipelined call)."""

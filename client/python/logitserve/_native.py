@@ -8,11 +8,11 @@ small C ABI over gRPC C++: a call's message is a list of buffers (the encoded Sc
 prefix and each row array as it is), sent in place, and every call into it releases the GIL
 (ctypes does), so the client's sender threads really run in parallel.
 
-It is optional. Client uses it for Score calls that carry array bytes (unary, and every chunk of a
-pipelined call) when it loads: the wheel the build makes ships it (logitserve/_native/), or
-$LOGITSERVE_NATIVE_LIB names it; LOGITSERVE_NATIVE=0 or Client(native=False) keeps grpcio for
-them. Everything else (ListHeads, streams, session / shared-memory calls, AsyncClient) stays on
-grpcio, whose channel and this one are separate connections to the same target.
+It is optional. Client and AsyncClient use it for Score calls that carry array bytes (unary, and
+every chunk of a pipelined call) when it loads: the wheel the build makes ships it
+(logitserve/_native/), or $LOGITSERVE_NATIVE_LIB names it; LOGITSERVE_NATIVE=0 or native=False
+keeps grpcio for them. Everything else (ListHeads, streams, session / shared-memory calls) stays
+on grpcio, whose channel and this one are separate connections to the same target.
 
 Lifetime: gRPC may reference a call's arrays until its transport lets go of them, which can be
 after the call completed (a cancelled chunk's frames may still be in a socket write). Each
@@ -236,8 +236,10 @@ class NativeChannel:
             if self._handle is None:
                 raise ValueError("the native channel is closed")
             self._calls = [c for c in self._calls if not c._release_if_done()]
-        handle = self.lib.ls_call_start(self._handle, method.encode(), n, addrs, sizes,
-                                        float(timeout or 0.0), len(metadata), md_keys, md_values)
+        # The library reads <= 0 as "no deadline": an expired one stays a (tiny) deadline.
+        seconds = 0.0 if timeout is None else max(float(timeout), 1e-6)
+        handle = self.lib.ls_call_start(self._handle, method.encode(), n, addrs, sizes, seconds,
+                                        len(metadata), md_keys, md_values)
         call = NativeCall(self, handle, pieces, decode)
         with self.lock:
             self._calls.append(call)
@@ -279,6 +281,10 @@ class NativeMethod:
         self._channel = channel
         self._method = method
         self._decode = decode
+
+    @property
+    def channel(self):
+        return self._channel
 
     def future(self, request, timeout=None, metadata=()):
         return self._channel.start(self._method, _wire.pieces(request), timeout, metadata,

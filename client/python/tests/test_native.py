@@ -156,3 +156,28 @@ print("done")
 """ % (server.address, H)
     child = _python(code)
     assert child.returncode == 0 and child.stdout.strip() == "done", child.stderr[-2000:]
+
+
+def test_async_client_sends_natively_with_the_same_bits_and_errors(server):
+    import asyncio
+
+    small, large = _request(9, seed=30), _request(700, seed=31)
+    bad = _request(700, seed=32)
+    bad["hidden"][523, 0] = np.inf
+    with logitserve.Client(server.address, native=False) as c:
+        want_small, want_large = c.score(**small), c.score(**large)
+
+    async def run():
+        async with logitserve.AsyncClient(server.address, native=True,
+                                          pipeline_chunk_bytes=200 * ROW_BYTES) as c:
+            assert c.native
+            got_small, got_large = await asyncio.gather(c.score(**small), c.score(**large))
+            with pytest.raises(logitserve.InvalidArgument) as e:
+                await c.score(**bad)
+            return got_small, got_large, e.value.details
+
+    got_small, got_large, details = asyncio.run(run())
+    assert got_small.chunks == 1 and got_large.chunks == 4
+    assert_same_bits(got_small, want_small)
+    assert_same_bits(got_large, want_large)
+    assert "rows [400, 600) of 700" in details and "523" in details
