@@ -9,7 +9,7 @@ import grpc
 import grpc.aio
 
 from . import _api, _native, _pb, _session, _wire
-from ._client import _Pipelined, _SentChunks, _Settings
+from ._client import _Pipelined, _SentChunks, _Settings, unencoded
 from ._errors import DeadlineExceeded, LogitserveError, error_for, from_rpc_error
 
 _RPC_ERRORS = (grpc.aio.AioRpcError, _native.NativeRpcError)
@@ -38,11 +38,7 @@ class AsyncClient:
                             split_requests, max_rows_per_request, channel_options,
                             pipeline_chunk_bytes, pipeline_depth, pipeline_streams,
                             keep_large_allocations, session_streams)
-        if self._s.tls is not None:
-            self._channel = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
-                                                    options=self._s.options)
-        else:
-            self._channel = grpc.aio.insecure_channel(self._s.target, options=self._s.options)
+        self._channel = self._s.grpc_channel(grpc.aio)
         self._stub = _pb.pb2_grpc().ScorerStub(self._channel)
         self._score = self._channel.unary_unary(
             _wire.SCORE_METHOD, request_serializer=_wire.serialize,
@@ -53,16 +49,20 @@ class AsyncClient:
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
+        # The native send path (logitserve/_native.py) for calls that carry arrays, and the
+        # threads that wait on its calls; else ScoreStreams on grpcio connections 1.. of their
+        # own for pipelined chunks (stream 0 is the main channel's).
+        self._native_methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
+                                for ch in self._s.native_channels(native)]
+        self._waiters = None
         self._pipeline_channels = []
-        for i in range(1, self._s.pipeline_streams):
-            opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
-                                            ("logitserve.pipeline_stream", i)]
-            if self._s.tls is not None:
-                ch = grpc.aio.secure_channel(self._s.target, self._s.tls.credentials(),
-                                             options=opts)
-            else:
-                ch = grpc.aio.insecure_channel(self._s.target, options=opts)
-            self._pipeline_channels.append(ch)
+        if self._native_methods:
+            self._waiters = concurrent.futures.ThreadPoolExecutor(
+                max(4, len(self._native_methods) * self._s.pipeline_depth),
+                thread_name_prefix="logitserve-native")
+        else:
+            self._pipeline_channels = [self._s.grpc_channel(grpc.aio, i)
+                                       for i in range(1, self._s.pipeline_streams)]
         self._pipeline_methods = [
             ch.stream_stream(_wire.SCORE_STREAM_METHOD,
                              request_serializer=_wire.serialize_stream_request,
@@ -74,14 +74,6 @@ class AsyncClient:
                                                      self._s.session_streams)
         self._limits = None
         self._limits_lock = asyncio.Lock()
-        # The native send path (logitserve/_native.py) and the threads that wait on its calls.
-        self._native_methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
-                                for ch in self._s.native_channels(native)]
-        self._waiters = None
-        if self._native_methods:
-            self._waiters = concurrent.futures.ThreadPoolExecutor(
-                max(4, len(self._native_methods) * self._s.pipeline_depth),
-                thread_name_prefix="logitserve-native")
 
     @property
     def native(self):
@@ -381,11 +373,8 @@ def _wait(sent, method, request, chunk, deadline, metadata):
     """On a waiter thread: starts rows `chunk` of `request` (all of it when None) on the native
     `method` and waits for its response; a call whose attempt was cancelled first is never
     started (CANCELLED)."""
-    call = sent.send(method, _same, request, chunk, deadline, metadata)
+    call = sent.send(method, unencoded, request, chunk, deadline, metadata)
     if call is None:
         raise _native.NativeRpcError(grpc.StatusCode.CANCELLED.value[0], "cancelled")
     return call.result()
 
-
-def _same(request):
-    return request  # the native path sends the request's pieces, arrays in place

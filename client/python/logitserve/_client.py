@@ -50,6 +50,11 @@ class _SentChunks:
             f.cancel()  # a no-op for finished calls
 
 
+def unencoded(request):
+    """The native send path's "encoding": it sends the request's pieces, arrays in place."""
+    return request
+
+
 class _Pipelined:
     """What the sync and async pipelined loops share: the chunks' responses, the first failed
     chunk, and what a chunk's RPC error means for the attempt."""
@@ -177,13 +182,24 @@ class _Settings:
                 raise ValueError("native=True, but the native library is unusable: "
                                  + _native.load_error())
             return []
-        channels = []
-        for i in range(self.pipeline_streams):
-            opts = list(self.options)
-            if i:
-                opts += [("grpc.use_local_subchannel_pool", 1), ("logitserve.pipeline_stream", i)]
-            channels.append(_native.NativeChannel(lib, self.target, opts, self.tls))
-        return channels
+        return [_native.NativeChannel(lib, self.target, self.stream_options(i), self.tls)
+                for i in range(self.pipeline_streams)]
+
+    def stream_options(self, i):
+        """Channel options of pipeline stream i: stream 0 is the client's main connection; every
+        other one gets a connection of its own (a local subchannel pool, an argument that tells
+        it apart)."""
+        if i == 0:
+            return list(self.options)
+        return list(self.options) + [("grpc.use_local_subchannel_pool", 1),
+                                     ("logitserve.pipeline_stream", i)]
+
+    def grpc_channel(self, grpc_module, i=0):
+        """A grpcio channel (`grpc_module`: grpc or grpc.aio) for pipeline stream i."""
+        if self.tls is not None:
+            return grpc_module.secure_channel(self.target, self.tls.credentials(),
+                                              options=self.stream_options(i))
+        return grpc_module.insecure_channel(self.target, options=self.stream_options(i))
 
     def pipeline_plan(self, request, meta, max_rows, max_bytes):
         """The chunks of a pipelined request, or None when it is not pipelined (small, no array
@@ -285,11 +301,7 @@ class Client:
                             split_requests, max_rows_per_request, channel_options,
                             pipeline_chunk_bytes, pipeline_depth, pipeline_streams,
                             keep_large_allocations, session_streams)
-        if self._s.tls is not None:
-            self._channel = grpc.secure_channel(self._s.target, self._s.tls.credentials(),
-                                                options=self._s.options)
-        else:
-            self._channel = grpc.insecure_channel(self._s.target, options=self._s.options)
+        self._channel = self._s.grpc_channel(grpc)
         self._stub = _pb.pb2_grpc().ScorerStub(self._channel)
         # Score and ScoreStream with the copy-saving request encoding and array decoding.
         self._score = self._channel.unary_unary(
@@ -301,30 +313,25 @@ class Client:
         self._health = self._channel.unary_unary(
             _api.HEALTH_METHOD, request_serializer=_api.health_request_bytes,
             response_deserializer=_api.health_status_from_bytes)
-        # Pipeline connections 1.. of their own (see _score_pipelined).
-        self._pipeline_channels = []
-        for i in range(1, self._s.pipeline_streams):
-            opts = list(self._s.options) + [("grpc.use_local_subchannel_pool", 1),
-                                            ("logitserve.pipeline_stream", i)]
-            if self._s.tls is not None:
-                ch = grpc.secure_channel(self._s.target, self._s.tls.credentials(), options=opts)
-            else:
-                ch = grpc.insecure_channel(self._s.target, options=opts)
-            self._pipeline_channels.append(ch)
-        # Pipelined chunks arrive encoded (bytes): no request serializer.
-        self._pipeline_byte_methods = [
-            ch.unary_unary(_wire.SCORE_METHOD, request_serializer=None,
-                           response_deserializer=_wire.parse_score_response)
-            for ch in [self._channel] + self._pipeline_channels]
-        self._pipeline_encode = _wire.serialize
-        self._score_bytes = self._score  # Score calls that carry array bytes
+        # Score calls that carry array bytes, and the pipelined chunks' methods (see
+        # _score_pipelined): through the native send path's connections where it loads, else
+        # on grpcio connections 1.. of their own, chunks encoded (bytes: no request serializer).
         self._native_channels = self._s.native_channels(native)
+        self._pipeline_channels = []
         if self._native_channels:
-            methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
-                       for ch in self._native_channels]
-            self._score_bytes = methods[0]
-            self._pipeline_byte_methods = methods
-            self._pipeline_encode = lambda r: r  # sent as pieces, arrays in place
+            self._pipeline_byte_methods = [ch.unary(_wire.SCORE_METHOD, _wire.parse_score_response)
+                                           for ch in self._native_channels]
+            self._score_bytes = self._pipeline_byte_methods[0]
+            self._pipeline_encode = unencoded
+        else:
+            self._pipeline_channels = [self._s.grpc_channel(grpc, i)
+                                       for i in range(1, self._s.pipeline_streams)]
+            self._pipeline_byte_methods = [
+                ch.unary_unary(_wire.SCORE_METHOD, request_serializer=None,
+                               response_deserializer=_wire.parse_score_response)
+                for ch in [self._channel] + self._pipeline_channels]
+            self._score_bytes = self._score
+            self._pipeline_encode = _wire.serialize
         self._sender_pool = None
         # Session streams for requests without tensor bytes (on the main channel).
         self._sessions = None

@@ -65,7 +65,9 @@ def test_async_unavailable_after_retries():
         asyncio.run(main())
 
 
-def test_async_pipelined_equals_sync_and_names_rows(server, client):
+# native=None: through the native send path (the wheel ships it); False: ScoreStreams on grpcio.
+@pytest.mark.parametrize("native", [None, False])
+def test_async_pipelined_equals_sync_and_names_rows(server, client, native):
     rng = np.random.default_rng(9)
     req = dict(head="policy", hidden=rng.normal(0, 1, (90, H)).astype(np.float32),
                target_ids=rng.integers(0, V, 90), entropy=True, top_k=3)
@@ -76,7 +78,9 @@ def test_async_pipelined_equals_sync_and_names_rows(server, client):
 
     async def main():
         async with logitserve.AsyncClient(server.address, pipeline_chunk_bytes=8 * row_bytes,
-                                          pipeline_depth=2, pipeline_streams=3) as a:
+                                          pipeline_depth=2, pipeline_streams=3,
+                                          native=native) as a:
+            assert a.native == (native is None)
             got = await a.score(**req)
             with pytest.raises(logitserve.InvalidArgument) as e:
                 await a.score(**bad)
@@ -89,14 +93,16 @@ def test_async_pipelined_equals_sync_and_names_rows(server, client):
     assert "rows [64, 72) of 90" in details and "row 71 contains NaN" in details
 
 
-def test_async_pipelined_deadline(heads):
+@pytest.mark.parametrize("native", [None, False])
+def test_async_pipelined_deadline(heads, native):
     rng = np.random.default_rng(10)
     req = dict(head="policy", hidden=rng.normal(0, 1, (200, H)).astype(np.float32),
                target_ids=rng.integers(0, V, 200))
 
     async def main():
         async with logitserve.AsyncClient(s.address, timeout=0.5, max_retries=0,
-                                          pipeline_chunk_bytes=10 * (H * 4 + 8)) as a:
+                                          pipeline_chunk_bytes=10 * (H * 4 + 8),
+                                          native=native) as a:
             t0 = asyncio.get_running_loop().time()
             with pytest.raises(logitserve.DeadlineExceeded):
                 await a.score(**req)

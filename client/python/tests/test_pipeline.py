@@ -51,10 +51,13 @@ def test_pipelined_sequences_and_fallback(server):
         _same(whole, unpiped)
 
 
-def test_pipelined_error_names_the_row_of_the_whole_request(server):
+# native=None: through the native send path (the wheel ships it); False: grpcio.
+@pytest.mark.parametrize("native", [None, False])
+def test_pipelined_error_names_the_row_of_the_whole_request(server, native):
     req = _request(50, seed=3)
     req["hidden"][37, 2] = np.inf
-    with logitserve.Client(server.address, pipeline_chunk_bytes=10 * ROW_BYTES) as c:
+    with logitserve.Client(server.address, pipeline_chunk_bytes=10 * ROW_BYTES,
+                           native=native) as c:
         with pytest.raises(logitserve.InvalidArgument) as e:
             c.score(**req)
     assert "rows [30, 40) of 50" in e.value.details
