@@ -56,7 +56,7 @@ struct ls_call {
   std::condition_variable cv;
   bool done = false;  // guarded by mu
   int code = 0;
-  std::string message;
+  std::string message;  // a copy: grpc::Status::error_message() returns by value
   std::string response_bytes;
 
   void Unref() {
