@@ -123,6 +123,22 @@ struct LaneBlock {
     }
   }
   __device__ __forceinline__ float RawMax() const { return RawExtreme<true>(); }
+
+  // Maximum (NaN-propagating) of chunk j's 8 raw values; packed for 16-bit types.
+  __device__ __forceinline__ float RawChunkMax(int j) const {
+    if constexpr (T == FloatType::kFloat32) {
+      float m = __uint_as_float(w[j][0]);
+#pragma unroll
+      for (int k = 1; k < kWords; ++k) m = MaxNaN(m, __uint_as_float(w[j][k]));
+      return m;
+    } else {
+      using P = std::conditional_t<T == FloatType::kBFloat16, __nv_bfloat162, __half2>;
+      P m = Pair<P>(j, 0);
+#pragma unroll
+      for (int k = 1; k < kWords; ++k) m = __hmax2_nan(m, Pair<P>(j, k));
+      return MaxNaN(__low2float(m), __high2float(m));
+    }
+  }
   __device__ __forceinline__ float RawMin() const { return RawExtreme<false>(); }
 
  private:

@@ -492,6 +492,74 @@ TEST_F(CudaKernels, OneReadTopKMatchesCpuOnEveryPath) {
   }
 }
 
+// The warp-per-row selection (topk_kernel.cu, k <= 64, 8 to 80 blocks) on a vocabulary of
+// Qwen's size (75 blocks: the variant holding 80 lane maxima a thread) and on a split into 41 + 34
+// blocks (the 34-block part is offered to full lists): rows of normal logits with and without a
+// temperature, a row with heavy ties at the top (81 distinct values: candidates overflow, so the
+// fallback serves it), a row whose only finite values are 41 (fewer than k = 64), and a row with
+// 256 large values in its first block, 8 a lane (every top-k member in one block), and a row whose
+// 103 finite values lie in one block (every other lane maximum -inf: the threshold search counts
+// all the keys). Lists equal the CPU's bit for bit.
+TEST_F(CudaKernels, WarpTopKMatchesCpuOnLongRows) {
+  constexpr int64_t kLongV = 151936;
+  constexpr int64_t kLongRows = 6;
+  constexpr int64_t kSplit = 41 * 2048;
+  std::mt19937_64 rng(4321);
+  std::vector<float> v = RandomNormal(rng, kLongRows * kLongV, 2.0);
+  std::uniform_int_distribution<int> small(-40, 40);
+  for (int64_t j = 0; j < kLongV; ++j) {
+    v[2 * kLongV + j] = small(rng) / 16.0f;
+    if (j % 3791 != 11) v[3 * kLongV + j] = -kInf;  // 41 finite values
+    if (j < 5 * 2048 || j >= 6 * 2048 || j % 20 != 0) v[5 * kLongV + j] = -kInf;
+  }
+  for (int64_t j = 0; j < 2048; j += 8) v[4 * kLongV + j + 3] = 20.0f + static_cast<float>(j) / 64;
+  for (k::FloatType t : {k::FloatType::kBFloat16, k::FloatType::kFloat16, k::FloatType::kFloat32}) {
+    const HostMatrix hm = Encode(t, kLongRows, kLongV, v);
+    DeviceArray<uint8_t> dm(hm.bytes);
+    const int64_t blocks = k::NumBlocks(kLongV);
+    for (float temperature : {1.0f, 0.7f}) {
+      auto source = [&](int64_t col0, int64_t cols) {
+        kc::LogitsSource s;
+        s.type = t;
+        s.data = dm.get() + col0 * k::SizeOf(t);
+        s.ld = kLongV;
+        s.col0 = col0;
+        s.cols = cols;
+        s.transform.temperature = temperature;
+        return s;
+      };
+      for (int32_t top : {1, 7, 64}) {
+        SCOPED_TRACE("dtype " + std::to_string(static_cast<int>(t)) + ", temperature " +
+                     std::to_string(temperature) + ", k = " + std::to_string(top));
+        DeviceArray<k::TopKEntry> lists(kLongRows * top), lists2(kLongRows * top);
+        DeviceArray<int32_t> counts(kLongRows), counts2(kLongRows);
+        DeviceArray<k::PairBlockStats> records(kLongRows * blocks);
+        DeviceArray<float> scratch(kc::TopKScratchBytes(kLongRows, blocks) / sizeof(float));
+        ASSERT_CUDA(kc::LaunchBlockStatsTopK(source(0, kLongV), nullptr, kLongRows, records.get(),
+                                             blocks, 0, top, lists.get(), counts.get(),
+                                             scratch.get(), nullptr));
+        ASSERT_CUDA(kc::LaunchTopKUpdate(source(0, kSplit), kLongRows, top, lists2.get(),
+                                         counts2.get(), scratch.get(), nullptr));
+        ASSERT_CUDA(kc::LaunchTopKUpdate(source(kSplit, kLongV - kSplit), kLongRows, top,
+                                         lists2.get(), counts2.get(), scratch.get(), nullptr));
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        const std::vector<k::TopKEntry> g = lists.ToHost(), g2 = lists2.ToHost();
+        const std::vector<int32_t> c = counts.ToHost(), c2 = counts2.ToHost();
+        for (int64_t r = 0; r < kLongRows; ++r) {
+          SCOPED_TRACE("row " + std::to_string(r));
+          std::vector<float> z(static_cast<size_t>(kLongV));
+          for (int64_t j = 0; j < kLongV; ++j)
+            z[static_cast<size_t>(j)] = hm.at(r, j) / temperature;
+          std::vector<k::TopKEntry> want(static_cast<size_t>(top));
+          int count = 0;
+          k::CpuTopKBlock(z.data(), kLongV, 0, top, want.data(), &count);
+          ASSERT_NO_FATAL_FAILURE(ExpectListsEqualCpu(g, c, g2, c2, r, top, want, count));
+        }
+      }
+    }
+  }
+}
+
 // Builds the gathered messages of a row tile for a shard layout given as block boundaries
 // (ranks own [begin[r], begin[r + 1])), running the statistics, target and top-k kernels per
 // rank exactly as the backend does.
