@@ -2,13 +2,14 @@
 //
 //   1. The (row, block) kernel that computes the block statistics (block_items.cuh: a warp per
 //      block, the records' bits unchanged) also writes every lane's maximum (128 bytes per 4 KB
-//      block) to a scratch array. A lane's maximum is one of its 64 values, so the k-th largest of
-//      a row's 32 * blocks lane maxima is at most the row's k-th largest value: a threshold T that
-//      every member of the top-k reaches, and that only the values of the (about k) lanes whose
-//      maximum reaches T can reach.
-//   2. A small CTA per row finds T (radix select over the lane maxima), loads the 64 values of
-//      each lane that reaches it again (128 bytes each: about k of the row's 32 * blocks lanes)
-//      and keeps each value >= T, with its id, as a candidate in shared memory.
+//      block) to a scratch array, and beside them where in the lane it lies (LaneMaxOp). A lane's
+//      maximum is one of its 64 values, so the k-th largest of a row's 32 * blocks lane maxima is
+//      at most the row's k-th largest value: a threshold T that every member of the top-k reaches,
+//      and that only the values of the (about k) lanes whose maximum reaches T can reach.
+//   2. A small CTA per row (for k <= 64 a warp per row instead: topk_warp_select.cu) finds T
+//      (radix select over the lane maxima), loads the 64 values of each lane that reaches it
+//      again (128 bytes each: about k of the row's 32 * blocks lanes) and keeps each value >= T,
+//      with its id, as a candidate in shared memory.
 //   3. An exact radix select on a 64-bit key that orders like Better (value, then the smaller id)
 //      picks the k best of the candidates and of the running list; a bitonic sort orders them.
 // The previous design (a CTA per row offering block after block to a sorted list: a bitonic sort
@@ -29,11 +30,14 @@
 #include <type_traits>
 
 #include "kernels/cuda/block_items.cuh"
+#include "kernels/cuda/topk_common.cuh"
 
 namespace logitserve::kernels::cuda {
 namespace {
 
 using detail::DeviceSource;
+using detail::KeyOf;
+using detail::OrderedBits;
 
 // Threads of the selection CTA (one CTA per row).
 constexpr int kSelectThreads = 128;
@@ -63,18 +67,6 @@ __host__ __device__ __forceinline__ int PowerOfTwoAtLeast(int n) {
 
 // Ranks after every real entry (also -inf ones, whose ids are smaller).
 __device__ __forceinline__ TopKEntry Sentinel() { return TopKEntry{detail::NegInfF(), INT_MAX}; }
-
-// Unsigned bits ordered like the floats (for non-NaN values; -0 counts as +0, as in Better).
-__device__ __forceinline__ uint32_t OrderedBits(float v) {
-  const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// A key ordered like Better: the value's ordered bits, then the smaller id. Ids are >= 0.
-__device__ __forceinline__ uint64_t KeyOf(const TopKEntry& e) {
-  return (static_cast<uint64_t>(OrderedBits(e.value)) << 32) |
-         static_cast<uint32_t>(INT_MAX - e.id);
-}
 
 // Number of entries of sorted list[0, n) that are Better than x.
 __device__ __forceinline__ int CountBetter(const TopKEntry* list, int n, const TopKEntry& x) {
@@ -443,305 +435,6 @@ __global__ void __launch_bounds__(kSelectThreads)
   if (threadIdx.x == 0) counts[row] = k;
 }
 
-// Steps 2-3 for a small k, a warp per row (TopKSelectKernel spends ~20 cycles an instruction on
-// its CTA barriers and shared radix passes: Nsight Compute, H200, 60 us a 2048-row tile, DRAM 26 %;
-// beside the next tile's statistics it took ~105 us a tile, the longest stage of the pipeline).
-// Everything lives in the warp's registers and a little shared memory of its own; the warp never
-// waits for another one.
-//   a. Each lane holds the maxima of its lane index across the row's blocks (key i of thread t is
-//      block i's lane t), as keys ordered like the values. The threshold T is the largest multiple
-//      of 2^last_bit with at least k keys >= T, found bit by bit from the top with one warp-wide
-//      count per bit: the k-th largest maximum rounded down, so still a lower bound of the row's
-//      k-th value (exact for 16-bit inputs without a transform). Only the keys above a cheap
-//      floor are counted, and only the bits below those the floor shares with the largest key
-//      are searched (7 of them for bf16 normal logits instead of 16 over all keys).
-//   b. The lanes whose maximum reaches T (about k) are listed. Of each, the chunk of 8 values
-//      holding its maximum is loaded again (all 8 chunks when the lane's largest other chunk
-//      maximum may reach T too: rare), 16 bytes a thread, four in flight, and each value >= T
-//      takes a slot with its id. Loading all 8 chunks of every listed lane cost 64 bytes of DRAM
-//      a 16-byte chunk at random places: 74 MB for 2048 rows, ~55 us at ~28 % of the DRAM's
-//      bandwidth whatever the instruction count (Nsight Compute, H200).
-//   c. With the running list's entries added, each candidate's place is the number of candidate
-//      keys above it (keys are distinct: ids are), and the k best are written in order.
-// Rows it cannot serve (more lanes or candidates than it has room for, fewer than k candidates)
-// are flagged for the exact fallback exactly like TopKSelectKernel's.
-constexpr int32_t kWarpSelectMaxK = 64;
-constexpr int kWarpSelectWarps = 4;     // rows a CTA serves
-constexpr int kWarpSelectCap = 256;     // candidates (with the running list) a row may hold
-constexpr int kWarpSelectItems = 256;   // lanes reaching T a row may list
-constexpr int kWarpSelectPieces = 512;  // (lane, chunk) pieces a row may list to load
-static_assert(detail::kLaneChunks == 8, "a piece is listed as item << 3 | chunk");
-// Blocks a row may have: the lane maxima a thread holds in registers.
-constexpr int kWarpSelectShortKeys = 40;
-constexpr int kWarpSelectLongKeys = 80;
-// Sources with fewer blocks use TopKSelectKernel: with fewer than 4 k lane maxima the threshold
-// lets through too many values.
-constexpr int64_t kWarpSelectMinBlocks = 8;
-
-// x summed over lanes 0..t of the warp.
-__device__ __forceinline__ int WarpInclusiveSum(int x, int t) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(detail::kFullMask, x, off);
-    if (t >= off) x += y;
-  }
-  return x;
-}
-
-// The largest threshold that keeps `prefix`'s bits above `high`, is a multiple of 2^last_bit and
-// has at least k of the warp's keys >= it, found bit by bit from `high` down with one warp-wide
-// count per bit (`prefix` itself must have k keys >= it).
-template <int N>
-__device__ __forceinline__ uint32_t WarpThreshold(const uint32_t (&key)[N], uint32_t prefix,
-                                                  int high, int last_bit, int32_t k) {
-  uint32_t threshold = prefix;
-  for (int bit = high; bit >= last_bit; --bit) {
-    const uint32_t trial = threshold | (1u << bit);
-    unsigned reach = 0;
-#pragma unroll
-    for (int i = 0; i < N; ++i) reach += key[i] >= trial ? 1u : 0u;
-    if (__reduce_add_sync(detail::kFullMask, reach) >= static_cast<unsigned>(k)) threshold = trial;
-  }
-  return threshold;
-}
-
-template <int kKeys>
-__global__ void __launch_bounds__(32 * kWarpSelectWarps)
-    TopKWarpSelectKernel(DeviceSource a, int64_t col0, int64_t blocks, int64_t rows,
-                         const float* lane_max, const uint32_t* lane_aux, int32_t k, int last_bit,
-                         TopKEntry* lists, int32_t* counts) {
-  __shared__ uint64_t keys_all[kWarpSelectWarps][kWarpSelectCap];
-  __shared__ TopKEntry cand_all[kWarpSelectWarps][kWarpSelectCap];
-  __shared__ int items_all[kWarpSelectWarps][kWarpSelectItems];
-  __shared__ int num_cand_all[kWarpSelectWarps];
-  __shared__ uint16_t pieces_all[kWarpSelectWarps][kWarpSelectPieces];
-  const int warp = threadIdx.x >> 5;
-  const int t = threadIdx.x & 31;
-  const unsigned below = (1u << t) - 1;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpSelectWarps + warp;
-  if (row >= rows) return;  // the whole warp: no CTA-wide barrier below
-  uint64_t* keys = keys_all[warp];
-  TopKEntry* cand = cand_all[warp];
-  int* items = items_all[warp];
-  const int count = counts[row];
-  TopKEntry* global_list = lists + row * k;
-
-  // a. The threshold.
-  uint32_t key[kKeys];
-  const float* row_max = lane_max + row * blocks * 32 + t;
-#pragma unroll
-  for (int i = 0; i < kKeys; ++i) key[i] = i < blocks ? OrderedBits(__ldg(row_max + i * 32)) : 0u;
-  // Every lane holds at least two keys >= the smallest of the lanes' second largest ones, so at
-  // least 64 >= k keys reach that floor: T lies between it and the largest key, and only the
-  // keys >= the floor (about 2-3 k of a row's 32 * blocks on normal logits) need counting.
-  uint32_t top1 = 0, top2 = 0;
-#pragma unroll
-  for (int i = 0; i < kKeys; ++i) {
-    top2 = max(top2, min(top1, key[i]));
-    top1 = max(top1, key[i]);
-  }
-  const uint32_t floor_key = __reduce_min_sync(detail::kFullMask, top2);
-  const uint32_t max_key = __reduce_max_sync(detail::kFullMask, top1);
-  // The keys >= the floor, listed (key, index) in the warp's shared memory.
-  int mine = 0;
-#pragma unroll
-  for (int i = 0; i < kKeys; ++i) mine += i < blocks && key[i] >= floor_key ? 1 : 0;
-  const int incl = WarpInclusiveSum(mine, t);
-  const int listed = __shfl_sync(detail::kFullMask, incl, 31);
-  if (listed <= kWarpSelectCap) {  // uniform
-    int at = incl - mine;
-#pragma unroll
-    for (int i = 0; i < kKeys; ++i) {
-      if (i < blocks && key[i] >= floor_key) {
-        keys[at++] = (static_cast<uint64_t>(key[i]) << 32) | static_cast<uint32_t>(i * 32 + t);
-      }
-    }
-  }
-  __syncwarp();
-  uint32_t threshold;
-  int num_items = 0;
-  const uint32_t least = OrderedBits(detail::NegInfF()) + 1;  // masked tokens never count
-  if (listed <= kWarpSelectCap) {                             // uniform
-    // The bits above the highest one in which floor and maximum differ are T's too.
-    constexpr int kPer = kWarpSelectCap / 32;
-    uint32_t lk[kPer];
-    int index[kPer];
-#pragma unroll
-    for (int q = 0; q < kPer; ++q) {
-      const uint64_t e = q * 32 + t < listed ? keys[q * 32 + t] : 0ull;
-      lk[q] = static_cast<uint32_t>(e >> 32);
-      index[q] = static_cast<int>(static_cast<uint32_t>(e));
-    }
-    const uint32_t diff = floor_key ^ max_key;
-    const int high = diff == 0 ? -1 : 31 - __clz(diff);
-    threshold =
-        WarpThreshold(lk, high >= 31 ? 0u : floor_key & (~0u << (high + 1)), high, last_bit, k);
-    if (count == k) threshold = max(threshold, OrderedBits(global_list[k - 1].value));
-    threshold = max(threshold, least);
-    // b. The listed lanes that reach T.
-#pragma unroll
-    for (int q = 0; q < kPer; ++q) {
-      const bool hit = q * 32 + t < listed && lk[q] >= threshold;
-      const unsigned m = __ballot_sync(detail::kFullMask, hit);
-      if (hit) items[num_items + __popc(m & below)] = index[q];
-      num_items += __popc(m);
-    }
-  } else {
-    // Many keys at the floor (a row masked but for a few lanes): every key counts.
-    // (0 ranks below every key but a negative NaN's; padding keys are 0 and never count.)
-    threshold = WarpThreshold(key, 0u, 31, last_bit, k);
-    if (count == k) threshold = max(threshold, OrderedBits(global_list[k - 1].value));
-    threshold = max(threshold, least);
-    // b. The lanes that reach it.
-#pragma unroll
-    for (int i = 0; i < kKeys; ++i) {
-      const unsigned m = __ballot_sync(detail::kFullMask, i < blocks && key[i] >= threshold);
-      const int at = num_items + __popc(m & below);
-      if (((m >> t) & 1) && at < kWarpSelectItems) items[at] = i * 32 + t;
-      num_items += __popc(m);
-    }
-  }
-  if (num_items > kWarpSelectItems) {        // uniform: heavy ties at T
-    if (t == 0) counts[row] = -(count + 1);  // left to the fallback
-    return;
-  }
-  __syncwarp();
-  // Their values that reach T: a chunk of 8 values a thread, four chunks in flight. A chunk
-  // whose maximum misses T costs a compare (most chunks of a listed lane do); the few values that
-  // reach it take a slot from a counter in shared memory (their order does not matter: step c
-  // places them by key). Values compare as floats against T's value: the same test as their keys
-  // against T's for every value but NaN, which is not offered (a row with a NaN fails anyway).
-  // The pieces to load: a listed lane's chunk holding its maximum, or all 8 chunks when another
-  // chunk's maximum may reach T too. Listed as (item << 3 | chunk); with too many of them
-  // (ties), every chunk of every listed lane is loaded instead.
-  uint16_t* piece_list = pieces_all[warp];
-  int mine_pieces = 0;
-  uint32_t aux[kWarpSelectItems / 32];
-#pragma unroll
-  for (int q = 0; q < kWarpSelectItems / 32; ++q) {
-    const int i = q * 32 + t;
-    aux[q] = 0;
-    if (i < num_items) {
-      aux[q] = __ldg(lane_aux + row * blocks * 32 + items[i]);
-      mine_pieces += (aux[q] | 7u) >= threshold ? detail::kLaneChunks : 1;
-    }
-  }
-  const int pincl = WarpInclusiveSum(mine_pieces, t);
-  const int listed_pieces = __shfl_sync(detail::kFullMask, pincl, 31);
-  const bool by_list = listed_pieces <= kWarpSelectPieces;  // uniform
-  if (by_list) {
-    int at = pincl - mine_pieces;
-#pragma unroll
-    for (int q = 0; q < kWarpSelectItems / 32; ++q) {
-      const int i = q * 32 + t;
-      if (i < num_items) {
-        if ((aux[q] | 7u) >= threshold) {
-#pragma unroll
-          for (int j = 0; j < detail::kLaneChunks; ++j)
-            piece_list[at++] = static_cast<uint16_t>(i << 3 | j);
-        } else {
-          piece_list[at++] = static_cast<uint16_t>(i << 3 | (aux[q] & 7u));
-        }
-      }
-    }
-  }
-  __syncwarp();
-  const float tf =
-      __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
-  int* num_cand_at = &num_cand_all[warp];
-  if (t == 0) *num_cand_at = 0;
-  __syncwarp();
-  constexpr int kInFlight = 4;
-  const int pieces = by_list ? listed_pieces : num_items * detail::kLaneChunks;
-  for (int p0 = 0; p0 < pieces; p0 += 32 * kInFlight) {  // uniform bounds
-    float v[kInFlight][8];
-    int64_t c[kInFlight];
-#pragma unroll
-    for (int q = 0; q < kInFlight; ++q) {
-      const int p = p0 + q * 32 + t;
-      c[q] = 0;
-      if (p < pieces) {
-        const int piece = by_list ? piece_list[p] : p;
-        const int item = items[piece >> 3];
-        c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (piece & 7) * 256 + (item & 31) * 8;
-        detail::Load8(a, row, c[q], v[q]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[q][e] = detail::NegInfF();
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kInFlight; ++q) {
-      float m = v[q][0];
-#pragma unroll
-      for (int e = 1; e < 8; ++e) m = fmaxf(m, v[q][e]);
-      if (m >= tf) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (v[q][e] >= tf) {
-            const int at = atomicAdd(num_cand_at, 1);
-            if (at < kWarpSelectCap) {
-              const TopKEntry x{v[q][e], static_cast<int32_t>(col0 + c[q] + e)};
-              cand[at] = x;
-              keys[at] = KeyOf(x);
-            }
-          }
-        }
-      }
-    }
-  }
-  __syncwarp();
-  const int num_cand = *num_cand_at;
-  // (A row with a NaN fails anyway; here nothing overflows or hangs.)
-  const int n = num_cand + count;
-  if (n > kWarpSelectCap || n < k) {
-    if (t == 0) counts[row] = -(count + 1);  // left to the fallback
-    return;
-  }
-  for (int i = t; i < count; i += 32) {
-    const TopKEntry x = global_list[i];
-    cand[num_cand + i] = x;
-    keys[num_cand + i] = KeyOf(x);
-  }
-  __syncwarp();  // also orders the reads of global_list above before the writes below
-
-  // c. Place = keys above; three candidates a thread per sweep over the keys (one sweep for up
-  // to 96 candidates, the usual case).
-  constexpr int kOwn = 3;
-  for (int i0 = 0; i0 < n; i0 += 32 * kOwn) {  // uniform bounds
-    uint64_t own[kOwn];
-    int place[kOwn];
-#pragma unroll
-    for (int q = 0; q < kOwn; ++q) {
-      const int i = i0 + q * 32 + t;
-      own[q] = i < n ? keys[i] : ~0ull;
-      place[q] = 0;
-    }
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const uint64_t kj = keys[j];
-#pragma unroll
-      for (int q = 0; q < kOwn; ++q) place[q] += kj > own[q] ? 1 : 0;
-    }
-#pragma unroll
-    for (int q = 0; q < kOwn; ++q) {
-      const int i = i0 + q * 32 + t;
-      if (i < n && place[q] < k) global_list[place[q]] = cand[i];
-    }
-  }
-  if (t == 0) counts[row] = k;
-}
-
-// The last bit of the threshold's search: the lane maxima of 16-bit inputs without a transform
-// have no lower bits (an fp16 value's 10 mantissa bits end at bit 13 of an fp32); for the others
-// bits below 8 would tighten T by less than 2^-15 of its value.
-int ThresholdLastBit(const LogitsSource& a) {
-  const bool raw = !a.transform.head && a.transform.temperature == 1.0f;
-  if (raw && a.type == FloatType::kBFloat16) return 16;
-  if (raw && a.type == FloatType::kFloat16) return 13;
-  return 8;
-}
-
 // The exact fallback: one CTA per row walks the source's blocks in order; for each block:
 //   1. every thread keeps those of its 8 values that beat the list's current k-th entry (all of
 //      them while the list holds fewer than k) as candidates in shared memory;
@@ -861,13 +554,10 @@ cudaError_t LaunchSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEnt
                                                         /*only_flagged=*/false);
     return cudaGetLastError();
   }
-  if (k <= kWarpSelectMaxK && blocks >= kWarpSelectMinBlocks && blocks <= kWarpSelectLongKeys) {
-    const unsigned ctas = static_cast<unsigned>((rows + kWarpSelectWarps - 1) / kWarpSelectWarps);
-    auto* kernel = blocks <= kWarpSelectShortKeys ? TopKWarpSelectKernel<kWarpSelectShortKeys>
-                                                  : TopKWarpSelectKernel<kWarpSelectLongKeys>;
-    kernel<<<ctas, 32 * kWarpSelectWarps, 0, stream>>>(da, a.col0, blocks, rows, lane_max,
-                                                       LaneAux(lane_max, rows, blocks), k,
-                                                       ThresholdLastBit(a), lists, counts);
+  if (detail::WarpSelectServes(blocks, k)) {
+    const cudaError_t err = detail::LaunchWarpSelect(
+        a, rows, lane_max, LaneAux(lane_max, rows, blocks), k, lists, counts, stream);
+    if (err != cudaSuccess) return err;
   } else {
     const size_t smem = SelectSharedBytes(blocks, k);
     auto* kernel = k > kNarrowLoadsMaxK ? TopKSelectKernel<true> : TopKSelectKernel<false>;

@@ -1,0 +1,38 @@
+// What the top-k kernels share (private to kernels/cuda): the keys they order candidates by, and
+// the warp-per-row selection of topk_warp_select.cu, which topk_kernel.cu launches for a small k.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "kernels/cuda/device_common.cuh"
+#include "logitserve/kernels/cuda_kernels.h"
+
+namespace logitserve::kernels::cuda::detail {
+
+// Unsigned bits ordered like the floats (for non-NaN values; -0 counts as +0, as in Better).
+__device__ __forceinline__ uint32_t OrderedBits(float v) {
+  const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A key ordered like Better: the value's ordered bits, then the smaller id. Ids are >= 0.
+__device__ __forceinline__ uint64_t KeyOf(const TopKEntry& e) {
+  return (static_cast<uint64_t>(OrderedBits(e.value)) << 32) |
+         static_cast<uint32_t>(INT_MAX - e.id);
+}
+
+// Whether TopKWarpSelectKernel serves a source of `blocks` blocks for this k: k <= 64, and 8 to 80
+// blocks (the lane maxima a thread holds in registers; with fewer than 4 k lane maxima the
+// threshold lets through too many values).
+inline bool WarpSelectServes(int64_t blocks, int32_t k) {
+  return k <= 64 && blocks >= 8 && blocks <= 80;
+}
+
+// Steps 2-3 of topk_kernel.cu for the rows of `a`, a warp per row, from step 1's lane maxima and
+// aux words (LaneMaxOp); rows it cannot serve are flagged for the fallback (a negative count).
+cudaError_t LaunchWarpSelect(const LogitsSource& a, int64_t rows, const float* lane_max,
+                             const uint32_t* lane_aux, int32_t k, TopKEntry* lists, int32_t* counts,
+                             cudaStream_t stream);
+
+}  // namespace logitserve::kernels::cuda::detail
