@@ -16,9 +16,10 @@
 // and a merge per 2048 ids) ran at 20x one read. A first version of this one fused steps 1-3 into
 // a CTA per row: 3 CTAs per SM, each spending half its time in the selection, left DRAM 30 % busy
 // (Nsight Compute, 0.89 ms for k = 64); separating step 1 gives it the statistics kernel's rate.
-// Step 2-3 alone is latency-bound (about 0.2 ms for 8192 rows, k = 64): the CUDA backend runs it
-// for row tile t beside step 1 of tile t + 1 (LaunchTopKLaneMax / LaunchTopKSelect, two streams),
-// so that its latency hides under the statistics kernel's reads.
+// Step 2-3 alone is latency-bound (for 8192 rows, k = 64: about 0.2 ms with this CTA per row, 0.1
+// ms with the warp per row): the CUDA backend runs it for row tile t beside step 1 of tile t + 1
+// (LaunchTopKLaneMax / LaunchTopKSelect, two streams), which hides part of it (H200:
+// docs/PERFORMANCE.md).
 //
 // Rows the threshold cannot serve go to the previous kernel, kept below as the exact fallback,
 // flagged by a negative count: candidates overflowing the buffer (heavy ties at T), or fewer than k
