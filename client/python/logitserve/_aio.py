@@ -281,12 +281,9 @@ class AsyncClient:
             issued = 0
             try:
                 while issued < len(chunks) or pending:
-                    while issued < len(chunks) and len(pending) < window:
-                        p.check_deadline(deadline)
-                        pending.append((issued, loop.run_in_executor(
-                            self._waiters, _wait, sent, methods[issued % streams], request,
-                            chunks[issued], deadline, metadata)))
-                        issued += 1
+                    issued = p.issue(pending, issued, window, deadline, lambda j: (
+                        loop.run_in_executor(self._waiters, _wait, sent, methods[j % streams],
+                                             request, chunks[j], deadline, metadata)))
                     i, future = pending.popleft()
                     try:
                         p.responses[i] = await future

@@ -80,6 +80,16 @@ class _Pipelined:
         if deadline is not None and deadline <= time.monotonic():
             raise self.expired()
 
+    def issue(self, pending, issued, window, deadline, submit):
+        """Starts chunks from `issued` on while fewer than `window` are unanswered, each as
+        (i, submit(i)) at the end of `pending`, checking the deadline before each; returns the
+        next chunk to start."""
+        while issued < len(self.chunks) and len(pending) < window:
+            self.check_deadline(deadline)
+            pending.append((issued, submit(issued)))
+            issued += 1
+        return issued
+
     def chunk_failed(self, i, e):
         """Chunk i's RPC error `e`: UNAVAILABLE is raised (the whole request is retried: Score
         is idempotent), a passed deadline raised as the request's; anything else is recorded and
@@ -489,7 +499,7 @@ class Client:
         the rows of the whole request; UNAVAILABLE retries the whole request."""
         methods = self._pipeline_byte_methods
         streams = min(len(chunks), len(methods))
-        window = streams * max(1, self._s.pipeline_depth)
+        window = streams * self._s.pipeline_depth
         p = _Pipelined(request, meta, chunks)
         senders = self._senders()
 
@@ -500,12 +510,9 @@ class Client:
             issued = 0
             try:
                 while issued < len(chunks) or pending:
-                    while issued < len(chunks) and len(pending) < window:
-                        p.check_deadline(deadline)
-                        pending.append((issued, senders.submit(
-                            sent.send, methods[issued % streams], self._pipeline_encode,
-                            request, chunks[issued], deadline, metadata)))
-                        issued += 1
+                    issued = p.issue(pending, issued, window, deadline, lambda j: senders.submit(
+                        sent.send, methods[j % streams], self._pipeline_encode, request,
+                        chunks[j], deadline, metadata))
                     i, task = pending.popleft()
                     try:
                         p.responses[i] = task.result().result()
