@@ -22,6 +22,16 @@ __device__ __forceinline__ uint64_t KeyOf(const TopKEntry& e) {
          static_cast<uint32_t>(INT_MAX - e.id);
 }
 
+// x summed over lanes 0..t of the warp (t: this thread's lane; all 32 lanes call it).
+__device__ __forceinline__ int WarpInclusiveSum(int x, int t) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, x, off);
+    if (t >= off) x += y;
+  }
+  return x;
+}
+
 // Whether TopKWarpSelectKernel serves a source of `blocks` blocks for this k: k <= 64, and 8 to 80
 // blocks (the lane maxima a thread holds in registers; with fewer than 4 k lane maxima the
 // threshold lets through too many values).

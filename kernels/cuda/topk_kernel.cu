@@ -142,12 +142,7 @@ __device__ void RadixSelect(int n, int k, int top_bit, int last_bit, bool stop_e
         c[j] = sh->hist[kRadixBins - 1 - 8 * lane - j];
         mine += c[j];
       }
-      int incl = mine;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(detail::kFullMask, incl, off);
-        if (lane >= off) incl += y;
-      }
+      const int incl = detail::WarpInclusiveSum(mine, lane);
       int above = incl - mine;
       if (above < remaining && remaining <= incl) {  // exactly one lane
 #pragma unroll
@@ -185,12 +180,13 @@ __host__ __device__ inline auto* LaneAux(F* lane_max, int64_t rows, int64_t bloc
 // the chunk holding its maximum with the largest maximum of its other chunks (`lane_aux`: the
 // ordered key of that second maximum, its low 3 bits replaced by the chunk's index, so a lower
 // bound of the key that `| 7` turns into an upper bound). TopKWarpSelectKernel loads a listed
-// lane's 8 chunks again only when that second maximum may reach its threshold, else the one chunk.
+// lane's 8 chunks again only when that second maximum may reach its threshold, else the one chunk;
+// when it does not serve the job (lane_aux null), only the maxima are written.
 template <bool kStats>
 struct LaneMaxOp {
   detail::StatsOp stats;
   float* lane_max;     // [rows][blocks * 32]
-  uint32_t* lane_aux;  // [rows][blocks * 32]
+  uint32_t* lane_aux;  // [rows][blocks * 32], or null
   int64_t lane_ld;     // blocks * 32
   template <FloatType T>
   __device__ __forceinline__ void operator()(const DeviceSource& a, int64_t row, int64_t blk,
@@ -199,6 +195,11 @@ struct LaneMaxOp {
       stats(a, row, blk, lane, v);  // transforms fp32 words in place, as TransformInPlace does
     } else {
       detail::TransformInPlace(a, blk * kVocabBlock, lane, v);
+    }
+    const int64_t at = row * lane_ld + blk * 32 + lane;
+    if (lane_aux == nullptr) {  // uniform over the grid
+      lane_max[at] = detail::LaneMax(a, v);
+      return;
     }
     float top = v.RawChunkMax(0), all = top, second = detail::NegInfF();
     int arg = 0;
@@ -214,7 +215,6 @@ struct LaneMaxOp {
         second = fmaxf(second, m);
       }
     }
-    const int64_t at = row * lane_ld + blk * 32 + lane;
     lane_max[at] = detail::Tempered<T>(a, all);
     lane_aux[at] = (OrderedBits(detail::Tempered<T>(a, second)) & ~7u) | static_cast<uint32_t>(arg);
   }
@@ -331,12 +331,7 @@ __global__ void __launch_bounds__(kSelectThreads)
         for (int e = 0; e < 8; ++e) hits += OrderedBits(v[q][e]) >= threshold ? 1 : 0;
       }
       // The warp's hits before this thread's (inclusive scan), then one atomic by the last lane.
-      int incl = hits;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(detail::kFullMask, incl, off);
-        if (t >= off) incl += y;
-      }
+      const int incl = detail::WarpInclusiveSum(hits, t);
       int base = 0;
       if (t == 31 && incl != 0) base = atomicAdd(&sh.num_cand, incl);
       int i = __shfl_sync(detail::kFullMask, base, 31) + incl - hits;
@@ -514,8 +509,8 @@ bool SelectServes(const LogitsSource& a, int64_t rows) {
 
 // Step 1: the lanes' maxima, with the statistics when `stats` is set (and only the statistics when
 // the selection does not serve the source: the fallback then needs no maxima).
-cudaError_t LaunchLaneMax(const LogitsSource& a, int64_t rows, const detail::StatsOp* stats,
-                          float* lane_max, cudaStream_t stream) {
+cudaError_t LaunchLaneMax(const LogitsSource& a, int64_t rows, int32_t k,
+                          const detail::StatsOp* stats, float* lane_max, cudaStream_t stream) {
   const int64_t blocks = a.blocks();
   if (!SelectServes(a, rows)) {
     if (stats == nullptr) return cudaSuccess;
@@ -524,19 +519,18 @@ cudaError_t LaunchLaneMax(const LogitsSource& a, int64_t rows, const detail::Sta
   }
   const DeviceSource da = detail::MakeDeviceSource(a);
   const int64_t pairs = rows * blocks;
+  uint32_t* const lane_aux =
+      detail::WarpSelectServes(blocks, k) ? LaneAux(lane_max, rows, blocks) : nullptr;
   cudaError_t err = cudaSuccess;
   detail::WithType(a.type, [&](auto ta) {
     constexpr FloatType T = decltype(ta)::value;
     if (stats != nullptr) {
       err = detail::LaunchItems<T, T, false>(
-          da, da, blocks, pairs,
-          LaneMaxOp<true>{*stats, lane_max, LaneAux(lane_max, rows, blocks), blocks * 32}, stream);
+          da, da, blocks, pairs, LaneMaxOp<true>{*stats, lane_max, lane_aux, blocks * 32}, stream);
     } else {
       err = detail::LaunchItems<T, T, false>(
           da, da, blocks, pairs,
-          LaneMaxOp<false>{detail::StatsOp{}, lane_max, LaneAux(lane_max, rows, blocks),
-                           blocks * 32},
-          stream);
+          LaneMaxOp<false>{detail::StatsOp{}, lane_max, lane_aux, blocks * 32}, stream);
     }
   });
   if (err != cudaSuccess) return err;
@@ -615,9 +609,9 @@ cudaError_t LaunchTopKLaneMax(const LogitsSource& a, const LogitsSource* b, int6
   }
   if (rows <= 0 || k <= 0 || a.cols <= 0) return cudaSuccess;
   if (!TopKArgsValid(a, rows, k)) return cudaErrorInvalidValue;
-  if (stats == nullptr) return LaunchLaneMax(a, rows, nullptr, scratch, stream);
+  if (stats == nullptr) return LaunchLaneMax(a, rows, k, nullptr, scratch, stream);
   const detail::StatsOp op{stats, stats_ld, stats_offset};
-  return LaunchLaneMax(a, rows, &op, scratch, stream);
+  return LaunchLaneMax(a, rows, k, &op, scratch, stream);
 }
 
 cudaError_t LaunchTopKSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEntry* lists,

@@ -36,16 +36,6 @@ static_assert(kLaneChunks == 8, "a piece is listed as item << 3 | chunk");
 constexpr int kWarpSelectShortKeys = 40;
 constexpr int kWarpSelectLongKeys = 80;
 
-// x summed over lanes 0..t of the warp.
-__device__ __forceinline__ int WarpInclusiveSum(int x, int t) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(kFullMask, x, off);
-    if (t >= off) x += y;
-  }
-  return x;
-}
-
 // The largest threshold that keeps `prefix`'s bits above `high`, is a multiple of 2^last_bit and
 // has at least k of the warp's keys >= it, found bit by bit from `high` down with one warp-wide
 // count per bit (`prefix` itself must have k keys >= it).
