@@ -80,15 +80,18 @@ struct LaneBlock {
   uint32_t w[kLaneChunks][kWords];
 
   // Value e of chunk j, exactly as fp32 (j and e compile-time after unrolling).
-  __device__ __forceinline__ float Value(int j, int e) const {
+  __device__ __forceinline__ float Value(int j, int e) const { return ChunkValue(w[j], e); }
+
+  // Value e of one chunk's words.
+  static __device__ __forceinline__ float ChunkValue(const uint32_t (&c)[kWords], int e) {
     if constexpr (T == FloatType::kFloat32) {
-      return __uint_as_float(w[j][e]);
+      return __uint_as_float(c[e]);
     } else if constexpr (T == FloatType::kBFloat16) {
-      const uint32_t u = w[j][e >> 1];
+      const uint32_t u = c[e >> 1];
       return __uint_as_float((e & 1) ? (u & 0xffff0000u) : (u << 16));
     } else {
       __half2 h;
-      memcpy(&h, &w[j][e >> 1], sizeof(h));
+      memcpy(&h, &c[e >> 1], sizeof(h));
       return (e & 1) ? __high2float(h) : __low2float(h);
     }
   }

@@ -177,10 +177,11 @@ __host__ __device__ inline auto* LaneAux(F* lane_max, int64_t rows, int64_t bloc
 }
 
 // Step 1's per-block work: the statistics record (kStats), the lanes' maxima, and for each lane
-// the chunk holding its maximum with the largest maximum of its other chunks (`lane_aux`: the
-// ordered key of that second maximum, its low 3 bits replaced by the chunk's index, so a lower
-// bound of the key that `| 7` turns into an upper bound). TopKWarpSelectKernel loads a listed
-// lane's 8 chunks again only when that second maximum may reach its threshold, else the one chunk;
+// where its maximum lies and the largest of its other 63 values (`lane_aux`: the ordered key of
+// that second value, its low 6 bits replaced by the maximum's place j * 8 + e in the lane, the
+// first in that order when it repeats; so a lower bound of the key that `| 63` turns into an upper
+// bound). TopKWarpSelectKernel takes a listed lane's maximum as its only candidate when that second
+// value cannot reach its threshold, with no load, and loads the lane's 64 values again otherwise;
 // when it does not serve the job (lane_aux null), only the maxima are written.
 template <bool kStats>
 struct LaneMaxOp {
@@ -201,6 +202,8 @@ struct LaneMaxOp {
       lane_max[at] = detail::LaneMax(a, v);
       return;
     }
+    // The chunk holding the maximum (the first when chunks tie) and the largest other chunk
+    // maximum, from the packed chunk maxima.
     float top = v.RawChunkMax(0), all = top, second = detail::NegInfF();
     int arg = 0;
 #pragma unroll
@@ -215,8 +218,28 @@ struct LaneMaxOp {
         second = fmaxf(second, m);
       }
     }
+    // That chunk's words, picked by selects (an index into a register array that is not known at
+    // compile time goes through local memory); in it the first value equal to the maximum, and the
+    // largest of its other values.
+    using Block = detail::LaneBlock<T>;
+    uint32_t c[Block::kWords];
+#pragma unroll
+    for (int k = 0; k < Block::kWords; ++k) c[k] = v.w[0][k];
+#pragma unroll
+    for (int j = 1; j < detail::kLaneChunks; ++j) {
+#pragma unroll
+      for (int k = 0; k < Block::kWords; ++k) c[k] = j == arg ? v.w[j][k] : c[k];
+    }
+    int place = 0;
+#pragma unroll
+    for (int e = 7; e >= 0; --e) place = Block::ChunkValue(c, e) == top ? e : place;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (e != place) second = fmaxf(second, Block::ChunkValue(c, e));
+    }
     lane_max[at] = detail::Tempered<T>(a, all);
-    lane_aux[at] = (OrderedBits(detail::Tempered<T>(a, second)) & ~7u) | static_cast<uint32_t>(arg);
+    lane_aux[at] = (OrderedBits(detail::Tempered<T>(a, second)) & ~63u) |
+                   static_cast<uint32_t>(arg * 8 + place);
   }
 };
 

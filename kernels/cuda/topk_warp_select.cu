@@ -17,21 +17,21 @@ namespace {
 //      k-th value (exact for 16-bit inputs without a transform). Only the keys above a cheap
 //      floor are counted, and only the bits below those the floor shares with the largest key
 //      are searched (7 of them for bf16 normal logits instead of 16 over all keys).
-//   b. The lanes whose maximum reaches T (about k) are listed. Of each, the chunk of 8 values
-//      holding its maximum is loaded again (all 8 chunks when the lane's largest other chunk
-//      maximum may reach T too: rare), 16 bytes a thread, four in flight, and each value >= T
-//      takes a slot with its id. Loading all 8 chunks of every listed lane cost 64 bytes of DRAM
-//      a 16-byte chunk at random places: 74 MB for 2048 rows, ~55 us at ~28 % of the DRAM's
-//      bandwidth whatever the instruction count (Nsight Compute, H200).
+//   b. The lanes whose maximum reaches T (about k) are listed. A lane whose other 63 values all
+//      stay below T (its aux word from step 1 says so for all but a lane or two a row) gives its
+//      maximum as its only candidate, with the id of the place the aux word names: nothing is
+//      loaded. The others' 64 values are loaded again, 16 bytes a thread, and each value >= T
+//      takes a slot with its id. (A 16-byte chunk loaded again at a random place costs 64 bytes
+//      of DRAM: loading the chunk holding each listed lane's maximum, as this kernel did before,
+//      made a 2048-row tile read 26 MB in 30 us; now 18 MB in 19-20 us. Nsight Compute, H200.)
 //   c. With the running list's entries added, each candidate's place is the number of candidate
 //      keys above it (keys are distinct: ids are), and the k best are written in order.
 // Rows it cannot serve (more lanes or candidates than it has room for, fewer than k candidates)
 // are flagged for the exact fallback exactly like TopKSelectKernel's.
-constexpr int kWarpSelectWarps = 4;     // rows a CTA serves
-constexpr int kWarpSelectCap = 256;     // candidates (with the running list) a row may hold
-constexpr int kWarpSelectItems = 256;   // lanes reaching T a row may list
-constexpr int kWarpSelectPieces = 512;  // (lane, chunk) pieces a row may list to load
-static_assert(kLaneChunks == 8, "a piece is listed as item << 3 | chunk");
+constexpr int kWarpSelectWarps = 4;    // rows a CTA serves
+constexpr int kWarpSelectCap = 256;    // candidates (with the running list) a row may hold
+constexpr int kWarpSelectItems = 256;  // lanes reaching T a row may list
+static_assert(kWarpSelectItems <= 256, "a lane loaded again is listed in a byte");
 // Blocks a row may have (WarpSelectServes): the lane maxima a thread holds in registers.
 constexpr int kWarpSelectShortKeys = 40;
 constexpr int kWarpSelectLongKeys = 80;
@@ -55,14 +55,15 @@ __device__ __forceinline__ uint32_t WarpThreshold(const uint32_t (&key)[N], uint
 
 template <int kKeys>
 __global__ void __launch_bounds__(32 * kWarpSelectWarps)
-    TopKWarpSelectKernel(DeviceSource a, int64_t col0, int64_t blocks, int64_t rows,
+    TopKWarpSelectKernel(DeviceSource a, int64_t col0, int blocks, int64_t rows,
                          const float* lane_max, const uint32_t* lane_aux, int32_t k, int last_bit,
                          TopKEntry* lists, int32_t* counts) {
   __shared__ uint64_t keys_all[kWarpSelectWarps][kWarpSelectCap];
   __shared__ TopKEntry cand_all[kWarpSelectWarps][kWarpSelectCap];
   __shared__ int items_all[kWarpSelectWarps][kWarpSelectItems];
+  __shared__ uint32_t item_keys_all[kWarpSelectWarps][kWarpSelectItems];
+  __shared__ uint8_t reread_all[kWarpSelectWarps][kWarpSelectItems];
   __shared__ int num_cand_all[kWarpSelectWarps];
-  __shared__ uint16_t pieces_all[kWarpSelectWarps][kWarpSelectPieces];
   const int warp = threadIdx.x >> 5;
   const int t = threadIdx.x & 31;
   const unsigned below = (1u << t) - 1;
@@ -71,12 +72,15 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
   uint64_t* keys = keys_all[warp];
   TopKEntry* cand = cand_all[warp];
   int* items = items_all[warp];
+  uint32_t* item_keys = item_keys_all[warp];
   const int count = counts[row];
   TopKEntry* global_list = lists + row * k;
+  const int64_t lanes0 = row * blocks * 32;  // the row's first lane maximum and aux word
 
-  // a. The threshold.
+  // a. The threshold. Keys past the row's blocks are 0, below every key that can be listed (the
+  // floor and T are at least 1), so no later test needs the bound.
   uint32_t key[kKeys];
-  const float* row_max = lane_max + row * blocks * 32 + t;
+  const float* row_max = lane_max + lanes0 + t;
 #pragma unroll
   for (int i = 0; i < kKeys; ++i) key[i] = i < blocks ? OrderedBits(__ldg(row_max + i * 32)) : 0u;
   // Every lane holds at least two keys >= the smallest of the lanes' second largest ones, so at
@@ -88,19 +92,19 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
     top2 = max(top2, min(top1, key[i]));
     top1 = max(top1, key[i]);
   }
-  const uint32_t floor_key = __reduce_min_sync(kFullMask, top2);
+  const uint32_t floor_key = max(__reduce_min_sync(kFullMask, top2), 1u);
   const uint32_t max_key = __reduce_max_sync(kFullMask, top1);
   // The keys >= the floor, listed (key, index) in the warp's shared memory.
   int mine = 0;
 #pragma unroll
-  for (int i = 0; i < kKeys; ++i) mine += i < blocks && key[i] >= floor_key ? 1 : 0;
+  for (int i = 0; i < kKeys; ++i) mine += key[i] >= floor_key ? 1 : 0;
   const int incl = WarpInclusiveSum(mine, t);
   const int listed = __shfl_sync(kFullMask, incl, 31);
   if (listed <= kWarpSelectCap) {  // uniform
     int at = incl - mine;
 #pragma unroll
     for (int i = 0; i < kKeys; ++i) {
-      if (i < blocks && key[i] >= floor_key) {
+      if (key[i] >= floor_key) {
         keys[at++] = (static_cast<uint64_t>(key[i]) << 32) | static_cast<uint32_t>(i * 32 + t);
       }
     }
@@ -126,12 +130,16 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
         WarpThreshold(lk, high >= 31 ? 0u : floor_key & (~0u << (high + 1)), high, last_bit, k);
     if (count == k) threshold = max(threshold, OrderedBits(global_list[k - 1].value));
     threshold = max(threshold, least);
-    // b. The listed lanes that reach T.
+    // b. The listed lanes that reach T (padding entries have key 0).
 #pragma unroll
     for (int q = 0; q < kPer; ++q) {
-      const bool hit = q * 32 + t < listed && lk[q] >= threshold;
+      const bool hit = lk[q] >= threshold;
       const unsigned m = __ballot_sync(kFullMask, hit);
-      if (hit) items[num_items + __popc(m & below)] = index[q];
+      if (hit) {
+        const int at = num_items + __popc(m & below);
+        items[at] = index[q];
+        item_keys[at] = lk[q];
+      }
       num_items += __popc(m);
     }
   } else {
@@ -143,9 +151,12 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
     // b. The lanes that reach it.
 #pragma unroll
     for (int i = 0; i < kKeys; ++i) {
-      const unsigned m = __ballot_sync(kFullMask, i < blocks && key[i] >= threshold);
+      const unsigned m = __ballot_sync(kFullMask, key[i] >= threshold);
       const int at = num_items + __popc(m & below);
-      if (((m >> t) & 1) && at < kWarpSelectItems) items[at] = i * 32 + t;
+      if (((m >> t) & 1) && at < kWarpSelectItems) {
+        items[at] = i * 32 + t;
+        item_keys[at] = key[i];
+      }
       num_items += __popc(m);
     }
   }
@@ -154,53 +165,55 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
     return;
   }
   __syncwarp();
-  // Their values that reach T: a chunk of 8 values a thread, four chunks in flight. A chunk
-  // whose maximum misses T costs a compare (most chunks of a listed lane do); the few values that
-  // reach it take a slot from a counter in shared memory (their order does not matter: step c
-  // places them by key). Values compare as floats against T's value: the same test as their keys
-  // against T's for every value but NaN, which is not offered (a row with a NaN fails anyway).
-  // The pieces to load: a listed lane's chunk holding its maximum, or all 8 chunks when another
-  // chunk's maximum may reach T too. Listed as (item << 3 | chunk); with too many of them
-  // (ties), every chunk of every listed lane is loaded instead.
-  uint16_t* piece_list = pieces_all[warp];
-  int mine_pieces = 0;
-  uint32_t aux[kWarpSelectItems / 32];
+  // Each listed lane: its maximum is its only value >= T when its aux word's second value (| 63:
+  // an upper bound of its key) stays below T; that candidate goes straight in, with the id of the
+  // place the aux word names. (Not for a maximum of 0, which may stand for -0 or +0: the list
+  // keeps the value's own bits.) The other lanes are listed to be loaded again.
+  constexpr int kItemsPer = kWarpSelectItems / 32;
+  constexpr uint32_t kZeroKey = 0x80000000u;  // OrderedBits(+-0)
+  uint8_t* reread = reread_all[warp];
+  int num_direct = 0, num_reread = 0;
 #pragma unroll
-  for (int q = 0; q < kWarpSelectItems / 32; ++q) {
+  for (int q = 0; q < kItemsPer; ++q) {
     const int i = q * 32 + t;
-    aux[q] = 0;
+    bool direct = false, again = false;
+    TopKEntry x{};
     if (i < num_items) {
-      aux[q] = __ldg(lane_aux + row * blocks * 32 + items[i]);
-      mine_pieces += (aux[q] | 7u) >= threshold ? kLaneChunks : 1;
-    }
-  }
-  const int pincl = WarpInclusiveSum(mine_pieces, t);
-  const int listed_pieces = __shfl_sync(kFullMask, pincl, 31);
-  const bool by_list = listed_pieces <= kWarpSelectPieces;  // uniform
-  if (by_list) {
-    int at = pincl - mine_pieces;
-#pragma unroll
-    for (int q = 0; q < kWarpSelectItems / 32; ++q) {
-      const int i = q * 32 + t;
-      if (i < num_items) {
-        if ((aux[q] | 7u) >= threshold) {
-#pragma unroll
-          for (int j = 0; j < kLaneChunks; ++j)
-            piece_list[at++] = static_cast<uint16_t>(i << 3 | j);
-        } else {
-          piece_list[at++] = static_cast<uint16_t>(i << 3 | (aux[q] & 7u));
-        }
+      const int item = items[i];
+      const uint32_t kx = item_keys[i];
+      const uint32_t aux = __ldg(lane_aux + lanes0 + item);
+      direct = (aux | 63u) < threshold && kx != kZeroKey;
+      again = !direct;
+      if (direct) {
+        const uint32_t place = aux & 63u;
+        x.value = __uint_as_float((kx & 0x80000000u) ? (kx & 0x7fffffffu) : ~kx);
+        x.id = static_cast<int32_t>(col0 + static_cast<int64_t>(item >> 5) * kVocabBlock +
+                                    (place >> 3) * 256 + (item & 31) * 8 + (place & 7));
       }
     }
+    const unsigned dm = __ballot_sync(kFullMask, direct);
+    if (direct) {
+      const int at = num_direct + __popc(dm & below);  // < num_items <= kWarpSelectCap
+      cand[at] = x;
+      keys[at] = KeyOf(x);
+    }
+    num_direct += __popc(dm);
+    const unsigned am = __ballot_sync(kFullMask, again);
+    if (again) reread[num_reread + __popc(am & below)] = static_cast<uint8_t>(i);
+    num_reread += __popc(am);
   }
-  __syncwarp();
+  // The lanes loaded again: a chunk of 8 values a thread, two chunks in flight. A chunk whose
+  // maximum misses T costs a compare; the values that reach it take a slot from a counter in
+  // shared memory (their order does not matter: step c places them by key). Values compare as
+  // floats against T's value: the same test as their keys against T's for every value but NaN,
+  // which is not offered (a row with a NaN fails anyway).
   const float tf =
       __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
   int* num_cand_at = &num_cand_all[warp];
-  if (t == 0) *num_cand_at = 0;
+  if (t == 0) *num_cand_at = num_direct;
   __syncwarp();
-  constexpr int kInFlight = 4;
-  const int pieces = by_list ? listed_pieces : num_items * kLaneChunks;
+  constexpr int kInFlight = 2;
+  const int pieces = num_reread * kLaneChunks;
   for (int p0 = 0; p0 < pieces; p0 += 32 * kInFlight) {  // uniform bounds
     float v[kInFlight][8];
     int64_t c[kInFlight];
@@ -209,9 +222,8 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
       const int p = p0 + q * 32 + t;
       c[q] = 0;
       if (p < pieces) {
-        const int piece = by_list ? piece_list[p] : p;
-        const int item = items[piece >> 3];
-        c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (piece & 7) * 256 + (item & 31) * 8;
+        const int item = items[reread[p >> 3]];
+        c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (p & 7) * 256 + (item & 31) * 8;
         Load8(a, row, c[q], v[q]);
       } else {
 #pragma unroll
@@ -299,9 +311,9 @@ cudaError_t LaunchWarpSelect(const LogitsSource& a, int64_t rows, const float* l
   const unsigned ctas = static_cast<unsigned>((rows + kWarpSelectWarps - 1) / kWarpSelectWarps);
   auto* kernel = blocks <= kWarpSelectShortKeys ? TopKWarpSelectKernel<kWarpSelectShortKeys>
                                                 : TopKWarpSelectKernel<kWarpSelectLongKeys>;
-  kernel<<<ctas, 32 * kWarpSelectWarps, 0, stream>>>(MakeDeviceSource(a), a.col0, blocks, rows,
-                                                     lane_max, lane_aux, k, ThresholdLastBit(a),
-                                                     lists, counts);
+  kernel<<<ctas, 32 * kWarpSelectWarps, 0, stream>>>(
+      MakeDeviceSource(a), a.col0, static_cast<int>(blocks), rows, lane_max, lane_aux, k,
+      ThresholdLastBit(a), lists, counts);
   return cudaGetLastError();
 }
 

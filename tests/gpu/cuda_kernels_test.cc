@@ -502,7 +502,7 @@ TEST_F(CudaKernels, OneReadTopKMatchesCpuOnEveryPath) {
 // all the keys). Lists equal the CPU's bit for bit.
 TEST_F(CudaKernels, WarpTopKMatchesCpuOnLongRows) {
   constexpr int64_t kLongV = 151936;
-  constexpr int64_t kLongRows = 6;
+  constexpr int64_t kLongRows = 7;
   constexpr int64_t kSplit = 41 * 2048;
   std::mt19937_64 rng(4321);
   std::vector<float> v = RandomNormal(rng, kLongRows * kLongV, 2.0);
@@ -511,6 +511,10 @@ TEST_F(CudaKernels, WarpTopKMatchesCpuOnLongRows) {
     v[2 * kLongV + j] = small(rng) / 16.0f;
     if (j % 3791 != 11) v[3 * kLongV + j] = -kInf;  // 41 finite values
     if (j < 5 * 2048 || j >= 6 * 2048 || j % 20 != 0) v[5 * kLongV + j] = -kInf;
+    // Row 6: the row's largest values are 101 zeros, -0 and +0 alternating, each its lane's
+    // maximum (the lists must keep each zero's own sign bit).
+    float& z = v[6 * kLongV + j];
+    z = j % 1499 == 7 ? ((j / 1499) % 2 == 0 ? -0.0f : 0.0f) : -0.5f - std::fabs(z);
   }
   for (int64_t j = 0; j < 2048; j += 8) v[4 * kLongV + j + 3] = 20.0f + static_cast<float>(j) / 64;
   for (k::FloatType t : {k::FloatType::kBFloat16, k::FloatType::kFloat16, k::FloatType::kFloat32}) {
