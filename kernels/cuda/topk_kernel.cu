@@ -88,7 +88,10 @@ __device__ void BitonicSortBestFirst(TopKEntry* s, int n) {
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
-        const int lo = 2 * stride * (i / stride) + (i % stride);
+        // i with a 0 bit inserted at stride's place (stride is a power of two: a run-time
+        // i / stride and i % stride were an integer division each, ~20 instructions, in a loop
+        // that was a third of the k = 1024 selection's instructions; Nsight Compute, H200).
+        const int lo = ((i & ~(stride - 1)) << 1) | (i & (stride - 1));
         const int hi = lo + stride;
         const bool best_first = (lo & size) == 0;
         const TopKEntry x = s[lo];
