@@ -16,6 +16,18 @@ __device__ __forceinline__ uint32_t OrderedBits(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The float whose OrderedBits is `key`: the inverse for every value but NaN and -0 (whose key is
+// +0's).
+__device__ __forceinline__ float ValueOfOrderedBits(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// The first column, in its source, of chunk `chunk` of lane item % 32 of block item / 32 (item =
+// block * 32 + lane; the layout of lane_block.cuh).
+__device__ __forceinline__ int64_t LaneChunkColumn(int item, int chunk) {
+  return static_cast<int64_t>(item >> 5) * kVocabBlock + chunk * 256 + (item & 31) * 8;
+}
+
 // A key ordered like Better: the value's ordered bits, then the smaller id. Ids are >= 0.
 __device__ __forceinline__ uint64_t KeyOf(const TopKEntry& e) {
   return (static_cast<uint64_t>(OrderedBits(e.value)) << 32) |

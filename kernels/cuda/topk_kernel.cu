@@ -335,8 +335,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     // every value but NaN (a row with a NaN fails anyway), one instruction instead of the key's
     // five, twice a value (Nsight Compute: this loop was ~40 % of the k = 1024 selection's
     // instructions, H200).
-    const float tf =
-        __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
+    const float tf = detail::ValueOfOrderedBits(threshold);
     constexpr int kInFlight = 4;
     const int pieces = num_items * detail::kLaneChunks;
     for (int p0 = 0; p0 < pieces; p0 += kSelectThreads * kInFlight) {  // uniform bounds
@@ -348,8 +347,7 @@ __global__ void __launch_bounds__(kSelectThreads)
         c[q] = 0;
         if (p < pieces) {
           const int item = items[p / detail::kLaneChunks];
-          c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (p % detail::kLaneChunks) * 256 +
-                 (item & 31) * 8;
+          c[q] = detail::LaneChunkColumn(item, p % detail::kLaneChunks);
           detail::Load8(a, row, c[q], v[q]);
         } else {
 #pragma unroll
@@ -390,8 +388,7 @@ __global__ void __launch_bounds__(kSelectThreads)
         z[q][0] = z[q][1] = detail::NegInfF();
         if (i0 + q < num_items) {  // uniform over the warp
           const int item = items[i0 + q];
-          c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (t >> 2) * 256 + (item & 31) * 8 +
-                 (t & 3) * 2;
+          c[q] = detail::LaneChunkColumn(item, t >> 2) + (t & 3) * 2;
           z[q][0] = detail::LoadOne(a, row, c[q]);
           z[q][1] = detail::LoadOne(a, row, c[q] + 1);
         }

@@ -186,9 +186,9 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
       again = !direct;
       if (direct) {
         const uint32_t place = aux & 63u;
-        x.value = __uint_as_float((kx & 0x80000000u) ? (kx & 0x7fffffffu) : ~kx);
-        x.id = static_cast<int32_t>(col0 + static_cast<int64_t>(item >> 5) * kVocabBlock +
-                                    (place >> 3) * 256 + (item & 31) * 8 + (place & 7));
+        x.value = ValueOfOrderedBits(kx);
+        x.id = static_cast<int32_t>(col0 + LaneChunkColumn(item, static_cast<int>(place >> 3)) +
+                                    (place & 7));
       }
     }
     const unsigned dm = __ballot_sync(kFullMask, direct);
@@ -207,8 +207,7 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
   // shared memory (their order does not matter: step c places them by key). Values compare as
   // floats against T's value: the same test as their keys against T's for every value but NaN,
   // which is not offered (a row with a NaN fails anyway).
-  const float tf =
-      __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
+  const float tf = ValueOfOrderedBits(threshold);
   int* num_cand_at = &num_cand_all[warp];
   if (t == 0) *num_cand_at = num_direct;
   __syncwarp();
@@ -223,7 +222,7 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps)
       c[q] = 0;
       if (p < pieces) {
         const int item = items[reread[p >> 3]];
-        c[q] = static_cast<int64_t>(item >> 5) * kVocabBlock + (p & 7) * 256 + (item & 31) * 8;
+        c[q] = LaneChunkColumn(item, p & 7);
         Load8(a, row, c[q], v[q]);
       } else {
 #pragma unroll

@@ -497,9 +497,11 @@ TEST_F(CudaKernels, OneReadTopKMatchesCpuOnEveryPath) {
 // blocks (the 34-block part is offered to full lists): rows of normal logits with and without a
 // temperature, a row with heavy ties at the top (81 distinct values: candidates overflow, so the
 // fallback serves it), a row whose only finite values are 41 (fewer than k = 64), and a row with
-// 256 large values in its first block, 8 a lane (every top-k member in one block), and a row whose
+// 256 large values in its first block, 8 a lane (every top-k member in one block), a row whose
 // 103 finite values lie in one block (every other lane maximum -inf: the threshold search counts
-// all the keys). Lists equal the CPU's bit for bit.
+// all the keys), and a row whose largest values are zeros of both signs, each its lane's maximum
+// (such a lane is always loaded again, so each zero keeps its sign bit). Lists equal the CPU's bit
+// for bit.
 TEST_F(CudaKernels, WarpTopKMatchesCpuOnLongRows) {
   constexpr int64_t kLongV = 151936;
   constexpr int64_t kLongRows = 7;
