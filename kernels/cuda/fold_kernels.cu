@@ -90,7 +90,15 @@ __device__ void WriteOutputs(const GatheredTile& t, int64_t r, int64_t row, cons
 // own uses shift 0 in the other side's cross term. Equal to the sequential fold in exact
 // arithmetic; deterministic and independent of the shard layout, since the records in global
 // block order are all it reads; every lane ends with the same bits.
+//
+// The loads. A lane loads its first kFoldCached records at once, every field unconditionally, and
+// keeps them in registers for the second pass (rows of up to 32 * kFoldCached blocks; longer rows
+// load their further blocks in each pass). Nsight Compute (H200, 8192 rows x 38 blocks, bf16
+// logprobs): with a load per field under its branch, a record's maximum waited for its sum (two
+// round trips to DRAM a block, each block after the previous one) and the second pass loaded
+// everything again: 532 instructions a row, 10.1 us, half the stall samples on the first load.
 constexpr int kFoldWarps = 4;
+constexpr int kFoldCached = 4;
 
 __device__ __forceinline__ float WarpMaxF(float x) {
 #pragma unroll
@@ -98,32 +106,76 @@ __device__ __forceinline__ float WarpMaxF(float x) {
   return x;
 }
 
+// A record's fields the fold reads (b and the cross terms only for pairs).
+template <bool kPair>
+struct FoldRecord {
+  BlockStats a;
+  BlockStats b;
+  float c_ab, c_ba;
+};
+
+// Block stats at p: two 8-byte loads when the records are 8-byte aligned (a record is 40 bytes).
+__device__ __forceinline__ BlockStats LoadBlockStats(const BlockStats* p, bool aligned8) {
+  if (aligned8) {
+    const float2 ms = __ldg(reinterpret_cast<const float2*>(p));
+    const float2 wf = __ldg(reinterpret_cast<const float2*>(p) + 1);
+    return BlockStats{ms.x, ms.y, wf.x, __float_as_uint(wf.y)};
+  }
+  return BlockStats{__ldg(&p->m), __ldg(&p->s), __ldg(&p->w), __ldg(&p->flags)};
+}
+
+template <bool kPair>
+__device__ __forceinline__ FoldRecord<kPair> LoadFoldRecord(const GatheredTile& t, int64_t r,
+                                                            int64_t blk, bool aligned8) {
+  const int owner = OwnerOf(t.shards, blk);
+  const PairBlockStats& rec = Record(t, owner, r, blk - t.shards.begin[owner]);
+  FoldRecord<kPair> f;
+  f.a = LoadBlockStats(&rec.a, aligned8);
+  if constexpr (kPair) {
+    f.b = LoadBlockStats(&rec.b, aligned8);
+    f.c_ab = __ldg(&rec.c_ab);
+    f.c_ba = __ldg(&rec.c_ba);
+  }
+  return f;
+}
+
+template <bool kPair>
 __global__ void __launch_bounds__(32 * kFoldWarps)
     FoldRowsKernel(GatheredTile t, int64_t rows, int64_t row0, FoldedRows folded,
-                   int32_t* first_bad_row, RowOutputs outputs, bool write_outputs) {
+                   int32_t* first_bad_row, RowOutputs outputs, bool write_outputs, bool aligned8) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kFoldWarps + (threadIdx.x >> 5);
   if (r >= rows) return;  // uniform per warp
   const int lane = threadIdx.x & 31;
+  const int64_t n = t.num_blocks;
+  FoldRecord<kPair> cached[kFoldCached];
+#pragma unroll
+  for (int i = 0; i < kFoldCached; ++i) {
+    const int64_t blk = lane + 32 * i;
+    if (blk < n) cached[i] = LoadFoldRecord<kPair>(t, r, blk, aligned8);
+  }
   float ma = detail::NegInfF(), mb = detail::NegInfF();
   uint32_t fa = 0, fb = 0;
-  for (int64_t blk = lane; blk < t.num_blocks; blk += 32) {
-    const int owner = OwnerOf(t.shards, blk);
-    const PairBlockStats& rec = Record(t, owner, r, blk - t.shards.begin[owner]);
+  auto first_pass = [&](const FoldRecord<kPair>& rec) {
     fa |= rec.a.flags;
     if (rec.a.s > 0.0f) ma = fmaxf(ma, rec.a.m);
-    if (t.pair) {
+    if constexpr (kPair) {
       fb |= rec.b.flags;
       if (rec.b.s > 0.0f) mb = fmaxf(mb, rec.b.m);
     }
+  };
+#pragma unroll
+  for (int i = 0; i < kFoldCached; ++i) {
+    if (lane + 32 * i < n) first_pass(cached[i]);
+  }
+  for (int64_t blk = lane + 32 * kFoldCached; blk < n; blk += 32) {
+    first_pass(LoadFoldRecord<kPair>(t, r, blk, aligned8));
   }
   ma = WarpMaxF(ma);
   mb = WarpMaxF(mb);
   fa = __reduce_or_sync(detail::kFullMask, fa);
   fb = __reduce_or_sync(detail::kFullMask, fb);
   float sa = 0.0f, wa = 0.0f, sb = 0.0f, wb = 0.0f, cab = 0.0f, cba = 0.0f;
-  for (int64_t blk = lane; blk < t.num_blocks; blk += 32) {
-    const int owner = OwnerOf(t.shards, blk);
-    const PairBlockStats& rec = Record(t, owner, r, blk - t.shards.begin[owner]);
+  auto second_pass = [&](const FoldRecord<kPair>& rec) {
     const bool live_a = rec.a.s > 0.0f;
     const float da = live_a ? rec.a.m - ma : 0.0f;  // <= 0; may overflow to -inf
     const float ea = live_a ? expf(da) : 0.0f;
@@ -131,7 +183,7 @@ __global__ void __launch_bounds__(32 * kFoldWarps)
       sa += rec.a.s * ea;
       wa += (rec.a.w + rec.a.s * da) * ea;
     }
-    if (t.pair) {
+    if constexpr (kPair) {
       const bool live_b = rec.b.s > 0.0f;
       const float db = live_b ? rec.b.m - mb : 0.0f;
       const float eb = live_b ? expf(db) : 0.0f;
@@ -142,6 +194,13 @@ __global__ void __launch_bounds__(32 * kFoldWarps)
       if (ea > 0.0f) cab += (rec.c_ab + rec.a.s * (da - db)) * ea;
       if (eb > 0.0f) cba += (rec.c_ba + rec.b.s * (db - da)) * eb;
     }
+  };
+#pragma unroll
+  for (int i = 0; i < kFoldCached; ++i) {
+    if (lane + 32 * i < n) second_pass(cached[i]);
+  }
+  for (int64_t blk = lane + 32 * kFoldCached; blk < n; blk += 32) {
+    second_pass(LoadFoldRecord<kPair>(t, r, blk, aligned8));
   }
   sa = detail::WarpSum(sa);
   wa = detail::WarpSum(wa);
@@ -149,7 +208,7 @@ __global__ void __launch_bounds__(32 * kFoldWarps)
                                        : RowStats{detail::NegInfF(), 0.0f, 0.0f, fa};
   RowStats b = EmptyRowStats();
   PairRowStats pair = EmptyPairRowStats();
-  if (t.pair) {
+  if constexpr (kPair) {
     sb = detail::WarpSum(sb);
     wb = detail::WarpSum(wb);
     cab = detail::WarpSum(cab);
@@ -195,9 +254,19 @@ cudaError_t LaunchFoldRows(const GatheredTile& tile, int64_t rows, int64_t row0,
   if (rows <= 0) return cudaSuccess;
   if (tile.shards.ranks < 1 || tile.shards.ranks > kMaxRanks) return cudaErrorInvalidValue;
   if (outputs != nullptr && outputs->top_k > kMaxTopK) return cudaErrorInvalidValue;
-  FoldRowsKernel<<<static_cast<unsigned>((rows + kFoldWarps - 1) / kFoldWarps), 32 * kFoldWarps, 0,
-                   stream>>>(tile, rows, row0, folded, first_bad_row,
-                             outputs != nullptr ? *outputs : RowOutputs{}, outputs != nullptr);
+  // Records are 8-byte aligned when the messages and their stride are (the backend's are: 256).
+  const bool aligned8 =
+      reinterpret_cast<uintptr_t>(tile.messages + tile.layout.stats_offset) % 8 == 0 &&
+      tile.layout.bytes % 8 == 0;
+  const unsigned grid = static_cast<unsigned>((rows + kFoldWarps - 1) / kFoldWarps);
+  const RowOutputs o = outputs != nullptr ? *outputs : RowOutputs{};
+  if (tile.pair) {
+    FoldRowsKernel<true><<<grid, 32 * kFoldWarps, 0, stream>>>(
+        tile, rows, row0, folded, first_bad_row, o, outputs != nullptr, aligned8);
+  } else {
+    FoldRowsKernel<false><<<grid, 32 * kFoldWarps, 0, stream>>>(
+        tile, rows, row0, folded, first_bad_row, o, outputs != nullptr, aligned8);
+  }
   return cudaGetLastError();
 }
 
