@@ -4,8 +4,9 @@
 // the warpgroup matrix multiply (wgmma). Every function is one instruction or a fixed short
 // sequence; the kernel (hidden_stats_kernel.cu) says why each is used where it is.
 //
-// Only compiled for sm_90a (wgmma, setmaxnreg and multicast need the arch-specific target): the
-// callers guard their bodies with LOGITSERVE_SM90A.
+// wgmma, setmaxnreg and multicast need the arch-specific target (sm_90a): their callers guard
+// their bodies with LOGITSERVE_SM90A. The mbarriers and the plain bulk copy (BulkLoad) are sm_90
+// instructions; the streamed (row, block) kernel of block_items.cuh uses them on any sm_90 build.
 #pragma once
 
 #include <cstdint>
@@ -103,7 +104,32 @@ __device__ __forceinline__ void ClusterSync() {
                    : "memory");
 }
 
-// ---- bulk tensor copies (TMA) -------------------------------------------------------------------
+// ---- bulk copies (TMA) --------------------------------------------------------------------------
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) of contiguous global memory into this
+// CTA's shared memory at dst, with an L2 eviction `policy` (EvictFirstPolicy); complete_tx on
+// `bar`. No tensor map: one instruction, one thread.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                         uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
+      : "memory");
+}
+
+// Orders this thread's generic-proxy accesses to shared memory (and those a barrier ordered before
+// them) before its later async-proxy operations, e.g. a bulk copy into a stage just read.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// An L2 policy that evicts the lines it brings first (data read once).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
 
 // Box (c0, c1, c2) of a 3-D tensor map into shared memory at dst; complete_tx on `bar`.
 __device__ __forceinline__ void Load3d(const void* map, uint64_t* bar, void* dst, int32_t c0,
