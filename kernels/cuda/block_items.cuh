@@ -279,7 +279,8 @@ inline unsigned PairGrid(int64_t pairs) {
 // and four stages 0.320 / 0.344: the 16-bit items are near issue-bound, and the ring's shared
 // memory cuts the resident warps), pairs 0.591 -> 0.809 (bf16) and 1.311 -> 1.691 (fp32; 168
 // registers), and the top-k statistics, whose Score lost beside the selection kernels (fp32 top-k
-// 64 0.866 -> 0.882 ms) although the kernel alone gained.
+// 64 0.866 -> 0.882 ms) although the kernel alone gained. Hidden mode's fp32 tiles (sources with
+// a head transform) stay direct too: the streamed form was not measured there.
 inline constexpr int kRingStages = 2;
 inline constexpr uint32_t kRingBlockBytes = kVocabBlock * sizeof(float);
 inline constexpr size_t kRingSmem =
@@ -389,7 +390,8 @@ __global__ void __launch_bounds__(kPairThreads)
 }
 
 // Whether the streamed form may run (LOGITSERVE_ITEM_KERNEL=direct: never, for measurements side
-// by side); it also needs rows 16-byte aligned (bulk copies) and an sm_90 device.
+// by side); it also needs rows 16-byte aligned (bulk copies), a logits-mode source and an sm_90
+// device.
 inline bool RingAllowed() {
   static const bool allowed = [] {
     const char* v = std::getenv("LOGITSERVE_ITEM_KERNEL");
@@ -431,7 +433,7 @@ template <FloatType TA, FloatType TB, bool kPair, typename Op>
 cudaError_t LaunchItems(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
                         const Op& op, cudaStream_t stream) {
   if constexpr (!kPair && TA == FloatType::kFloat32 && kStreamedOp<Op>) {
-    if (RingAllowed() && a.vectorized) {
+    if (RingAllowed() && a.vectorized && !a.t.head) {
       if (const int grid = RingGrid<Op>(); grid > 0) {
         const int64_t needed = static_cast<int64_t>(PairGrid(pairs));
         RingKernel<Op><<<static_cast<unsigned>(needed < grid ? needed : grid), kPairThreads,
