@@ -423,7 +423,7 @@ int RingGrid() {
         per_sm > 0) {
       grid = per_sm * sms;
     }
-    (void)cudaGetLastError();  // a failed query leaves the direct kernel, not an error
+    if (grid < 0) (void)cudaGetLastError();  // a failed query leaves the direct kernel
     grids[device].store(grid, std::memory_order_relaxed);
   }
   return grid > 0 ? grid : 0;
