@@ -106,14 +106,6 @@ __device__ __forceinline__ float WarpMaxF(float x) {
   return x;
 }
 
-// A record's fields the fold reads (b and the cross terms only for pairs).
-template <bool kPair>
-struct FoldRecord {
-  BlockStats a;
-  BlockStats b;
-  float c_ab, c_ba;
-};
-
 // Block stats at p: two 8-byte loads when the records are 8-byte aligned (a record is 40 bytes).
 __device__ __forceinline__ BlockStats LoadBlockStats(const BlockStats* p, bool aligned8) {
   if (aligned8) {
@@ -124,12 +116,14 @@ __device__ __forceinline__ BlockStats LoadBlockStats(const BlockStats* p, bool a
   return BlockStats{__ldg(&p->m), __ldg(&p->s), __ldg(&p->w), __ldg(&p->flags)};
 }
 
+// The fields of a record the fold reads: b and the cross terms only for pairs (left unset
+// otherwise).
 template <bool kPair>
-__device__ __forceinline__ FoldRecord<kPair> LoadFoldRecord(const GatheredTile& t, int64_t r,
-                                                            int64_t blk, bool aligned8) {
+__device__ __forceinline__ PairBlockStats LoadFoldRecord(const GatheredTile& t, int64_t r,
+                                                         int64_t blk, bool aligned8) {
   const int owner = OwnerOf(t.shards, blk);
   const PairBlockStats& rec = Record(t, owner, r, blk - t.shards.begin[owner]);
-  FoldRecord<kPair> f;
+  PairBlockStats f;
   f.a = LoadBlockStats(&rec.a, aligned8);
   if constexpr (kPair) {
     f.b = LoadBlockStats(&rec.b, aligned8);
@@ -147,7 +141,7 @@ __global__ void __launch_bounds__(32 * kFoldWarps)
   if (r >= rows) return;  // uniform per warp
   const int lane = threadIdx.x & 31;
   const int64_t n = t.num_blocks;
-  FoldRecord<kPair> cached[kFoldCached];
+  PairBlockStats cached[kFoldCached];
 #pragma unroll
   for (int i = 0; i < kFoldCached; ++i) {
     const int64_t blk = lane + 32 * i;
@@ -155,7 +149,7 @@ __global__ void __launch_bounds__(32 * kFoldWarps)
   }
   float ma = detail::NegInfF(), mb = detail::NegInfF();
   uint32_t fa = 0, fb = 0;
-  auto first_pass = [&](const FoldRecord<kPair>& rec) {
+  auto first_pass = [&](const PairBlockStats& rec) {
     fa |= rec.a.flags;
     if (rec.a.s > 0.0f) ma = fmaxf(ma, rec.a.m);
     if constexpr (kPair) {
@@ -175,7 +169,7 @@ __global__ void __launch_bounds__(32 * kFoldWarps)
   fa = __reduce_or_sync(detail::kFullMask, fa);
   fb = __reduce_or_sync(detail::kFullMask, fb);
   float sa = 0.0f, wa = 0.0f, sb = 0.0f, wb = 0.0f, cab = 0.0f, cba = 0.0f;
-  auto second_pass = [&](const FoldRecord<kPair>& rec) {
+  auto second_pass = [&](const PairBlockStats& rec) {
     const bool live_a = rec.a.s > 0.0f;
     const float da = live_a ? rec.a.m - ma : 0.0f;  // <= 0; may overflow to -inf
     const float ea = live_a ? expf(da) : 0.0f;

@@ -246,7 +246,8 @@ TEST_F(CudaKernels, SameRecordsForEveryDtype) {
 // aligned; each warp walks many items through its ring of bulk copies) against the direct one;
 // otherwise the direct kernel's vector loads against its scalar ones. Enough rows that every warp
 // of the persistent grid refills its ring several times, and a shard of 4997 columns whose last
-// block ends 3 values past a 16-byte unit (those values come from global memory, not the copy).
+// block (901 values) ends one fp32 value past a 16-byte unit (that value comes from global memory,
+// not the copy).
 TEST_F(CudaKernels, StreamedAndDirectKernelsWriteTheSameRecords) {
   constexpr int64_t kManyRows = 4096;
   std::vector<float> model(kManyRows * kV), ref(kManyRows * kV);
