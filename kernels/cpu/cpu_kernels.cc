@@ -324,6 +324,50 @@ void CpuTopKBlock(const float* z, int64_t n, int32_t id0, int k, TopKEntry* list
   if (k > 0) HWY_DYNAMIC_DISPATCH(TopKBlockImpl)(z, n, id0, k, list, count);
 }
 
+namespace {
+float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+}  // namespace
+
+uint32_t CpuSplitToBf16(FloatType type, const void* src, int64_t n, uint16_t* hi, uint16_t* mid,
+                        uint16_t* lo) {
+  constexpr int64_t kChunk = 256;
+  float x[kChunk];
+  uint32_t any_hi = 0, any_mid = 0, any_lo = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+    CpuToFloat(type, static_cast<const uint8_t*>(src) + i0 * SizeOf(type), m, 1.0f, x);
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t u = FloatBits(x[i]);
+      uint32_t h = u >> 16, md = 0, l = 0;
+      if ((u & 0x7f800000u) == 0x7f800000u) {  // inf, NaN: hi alone (as the CUDA split)
+        if (u & 0x007fffffu) h = 0x7fc0u;
+      } else {
+        const float r1 = x[i] - BitsToFloat(u & 0xffff0000u);  // exact: x's low 16 bits
+        const uint32_t mid_bits = FloatBits(r1) & 0xffff0000u;
+        const float r2 = r1 - BitsToFloat(mid_bits);  // exact, at most 8 significant bits
+        md = mid_bits >> 16;
+        l = FloatBits(r2) >> 16;
+      }
+      hi[i0 + i] = static_cast<uint16_t>(h);
+      mid[i0 + i] = static_cast<uint16_t>(md);
+      lo[i0 + i] = static_cast<uint16_t>(l);
+      any_hi |= h & 0x7fffu;
+      any_mid |= md & 0x7fffu;
+      any_lo |= l & 0x7fffu;
+    }
+  }
+  return (any_hi != 0 ? 1u : 0u) | (any_mid != 0 ? 2u : 0u) | (any_lo != 0 ? 4u : 0u);
+}
+
 void TopKMerge(const TopKEntry* other, int other_count, int k, TopKEntry* list, int* count) {
   // Standard merge of two sorted lists, keeping the first k (k <= kMaxTopK).
   TopKEntry merged[kMaxTopK];

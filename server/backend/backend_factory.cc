@@ -3,6 +3,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cpu/cpu_tile_gemm.h"
 #include "spdlog/spdlog.h"
 #if LOGITSERVE_HAVE_CUDA
 #include "server/backend/cuda/cuda_backend.h"
@@ -50,6 +51,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendSelection& s
   CpuBackendOptions options;
   options.threads = selection.threads;
   options.shards = selection.shards;
+  spdlog::info("backend cpu: hidden-mode GEMMs in {}",
+               CpuHasNativeBf16Gemm() ? "bf16 (exact bf16 parts; oneDNN with AVX512-BF16)"
+                                      : "fp32 (no native bf16 matmul on this CPU)");
   return CreateCpuBackend(options);
 }
 

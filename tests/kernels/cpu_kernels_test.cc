@@ -2,6 +2,7 @@
 // the public block statistics: a block {0, x} has maximum 0, so its w = e^x * x rounded once
 // (fmaf onto 0) isolates the kernel's e^x, and s = 1 + e^x. kSumRelTol's derivation
 // (tests/kernels/expect_reference.h) assumes each exp within 4 ulp: that is the bound checked.
+// Also CpuSplitToBf16 (the CPU backend's bf16 GEMM operands) against exact fp64 sums.
 #include "logitserve/kernels/cpu_kernels.h"
 
 #include <cmath>
@@ -80,6 +81,105 @@ TEST(CpuExp, DeepTermsAndMaskedValuesAddNothing) {
     EXPECT_EQ(b.s, 1.0f) << "x = " << x;
     EXPECT_EQ(b.w, 0.0f) << "x = " << x;
   }
+}
+
+// ---- CpuSplitToBf16 --------------------------------------------------------------------------
+
+double Bf16Value(uint16_t bits) { return BFloat16ToFloat(bits); }
+
+struct Split {
+  std::vector<uint16_t> hi, mid, lo;
+  uint32_t nonzero;
+};
+
+Split SplitOf(FloatType type, const void* src, int64_t n) {
+  Split s{std::vector<uint16_t>(n), std::vector<uint16_t>(n), std::vector<uint16_t>(n), 0};
+  s.nonzero = CpuSplitToBf16(type, src, n, s.hi.data(), s.mid.data(), s.lo.data());
+  return s;
+}
+
+// Every finite fp32 value of the normal range is the exact sum of its three bf16 parts, each
+// part's magnitude at most 2^-7 of the one before (so the GEMM's parts are ordered by weight).
+TEST(CpuSplitToBf16, PartsSumExactlyToFp32Values) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xffffffffu);
+  std::vector<float> x;
+  for (int i = 0; i < 100000; ++i) {
+    const uint32_t u = bits(rng);
+    const uint32_t e = (u >> 23) & 0xffu;
+    if (e < 40 || e == 0xffu) continue;  // keep the remainders above the subnormal range
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    x.push_back(f);
+  }
+  x.push_back(0.0f);
+  x.push_back(-0.0f);
+  x.push_back(1.0f);
+  x.push_back(std::numeric_limits<float>::max());
+  x.push_back(-std::numeric_limits<float>::max());
+  const Split s = SplitOf(FloatType::kFloat32, x.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double h = Bf16Value(s.hi[i]), m = Bf16Value(s.mid[i]), l = Bf16Value(s.lo[i]);
+    ASSERT_EQ(h + m + l, static_cast<double>(x[i])) << "x = " << x[i];
+    ASSERT_LE(std::abs(m), std::abs(h) * 0x1p-7) << "x = " << x[i];
+    ASSERT_LE(std::abs(l), std::abs(m) * 0x1p-7) << "x = " << x[i];
+  }
+  EXPECT_EQ(s.nonzero, 7u);
+}
+
+// Values a 16-bit type holds need fewer parts: bf16 one (its own bits), fp16 at most two; equal
+// values in different types split alike.
+TEST(CpuSplitToBf16, SixteenBitInputsNeedFewerParts) {
+  std::vector<uint16_t> bf(4096), half(4096);
+  std::vector<float> as_fp32_bf(4096), as_fp32_half(4096);
+  std::mt19937 rng(6);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  for (size_t i = 0; i < bf.size(); ++i) {
+    const float v = n(rng);
+    bf[i] = FloatToBFloat16(v);
+    half[i] = FloatToFloat16(v);
+    as_fp32_bf[i] = BFloat16ToFloat(bf[i]);
+    as_fp32_half[i] = Float16ToFloat(half[i]);
+  }
+  const Split b = SplitOf(FloatType::kBFloat16, bf.data(), 4096);
+  const Split h = SplitOf(FloatType::kFloat16, half.data(), 4096);
+  const Split bf32 = SplitOf(FloatType::kFloat32, as_fp32_bf.data(), 4096);
+  const Split hf32 = SplitOf(FloatType::kFloat32, as_fp32_half.data(), 4096);
+  EXPECT_EQ(b.nonzero, 1u);
+  EXPECT_EQ(h.nonzero, 3u);  // fp16's 11 significant bits: hi and mid
+  EXPECT_EQ(b.hi, bf);
+  EXPECT_EQ(bf32.hi, b.hi);
+  EXPECT_EQ(bf32.nonzero, 1u);
+  EXPECT_EQ(hf32.hi, h.hi);
+  EXPECT_EQ(hf32.mid, h.mid);
+  EXPECT_EQ(hf32.nonzero, 3u);
+  for (size_t i = 0; i < half.size(); ++i) {
+    ASSERT_EQ(Bf16Value(h.hi[i]) + Bf16Value(h.mid[i]), static_cast<double>(as_fp32_half[i]));
+  }
+}
+
+// Non-finite values keep their meaning in the first part (as the CUDA split): +-inf, a NaN.
+TEST(CpuSplitToBf16, NonFiniteValuesStayInTheFirstPart) {
+  const float x[3] = {std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()};
+  const Split s = SplitOf(FloatType::kFloat32, x, 3);
+  EXPECT_EQ(s.hi[0], 0x7f80u);
+  EXPECT_EQ(s.hi[1], 0xff80u);
+  EXPECT_EQ(s.hi[2], 0x7fc0u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(s.mid[i], 0u);
+    EXPECT_EQ(s.lo[i], 0u);
+  }
+  EXPECT_EQ(s.nonzero, 1u);
+}
+
+// An all-zero input (either sign) has no non-zero part: the backend's GEMM skips all of them.
+TEST(CpuSplitToBf16, ZerosHaveNoNonZeroPart) {
+  const float x[4] = {0.0f, -0.0f, 0.0f, -0.0f};
+  const Split s = SplitOf(FloatType::kFloat32, x, 4);
+  EXPECT_EQ(s.nonzero, 0u);
+  EXPECT_EQ(s.hi[1], 0x8000u);
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
 // CpuBackend: the always-built backend. Same algorithm, block structure and tile loop
 // (server/backend/sharded_job.h) as the CUDA backend:
 //
-//   for each tile of kRowTile rows:
+//   for each tile of kRowTile rows (kGemmRows for JSD in hidden mode, see tile_rows_):
 //     each shard (a rank, in its own thread) computes per-block statistics of its vocabulary
-//       blocks (OpenMP workers over blocks; hidden mode: one oneDNN GEMM per block into an
-//       L2-sized logits tile, transform applied, statistics read back while it is hot);
+//       blocks (OpenMP workers over items (block, kGemmRows rows of the tile), a block's items
+//       consecutive; hidden mode: the item's oneDNN GEMMs (cpu_hidden.h: bf16 parts or fp32)
+//       into a cache-sized logits tile, transform applied, statistics read back while it is hot);
 //     ranks all-gather the small per-block records through the Communicator;
 //     every rank folds the records in global block order (identical bits on every rank);
 //     JSD only: a second pass over the tile with the global normalisation, partials all-gathered
@@ -33,6 +34,7 @@
 #include "logitserve/kernels/tile_message.h"
 #include "server/backend/backend.h"
 #include "server/backend/communicator.h"
+#include "server/backend/cpu/cpu_hidden.h"
 #include "server/backend/cpu/cpu_tile_gemm.h"
 #include "server/backend/job_failure.h"
 #include "server/backend/shard_layout.h"
@@ -42,26 +44,6 @@ namespace logitserve {
 namespace {
 
 namespace k = kernels;
-
-// A head resident for the CPU backend: fp32 bias and, per vocabulary block, weights packed for
-// the block's TileGemm (one primitive for full blocks, one for a shorter last block).
-class CpuHead final : public PreparedHead {
- public:
-  using PreparedHead::PreparedHead;
-  std::unique_ptr<TileGemm> full_gemm;  // n = kVocabBlock
-  std::unique_ptr<TileGemm> last_gemm;  // n = vocab % kVocabBlock, when not 0
-  std::vector<std::vector<float>> packed_blocks;
-  std::vector<float> bias;  // empty or vocab
-
-  const TileGemm& GemmFor(int64_t block) const {
-    const int64_t nb = static_cast<int64_t>(packed_blocks.size());
-    return (block == nb - 1 && last_gemm) ? *last_gemm : *full_gemm;
-  }
-};
-
-int64_t BlockWidth(int64_t vocab, int64_t block) {
-  return std::min(k::kVocabBlock, vocab - block * k::kVocabBlock);
-}
 
 // Everything a rank needs for one job.
 struct RankContext {
@@ -100,43 +82,11 @@ class CpuBackend final : public Backend {
 
 absl::StatusOr<std::shared_ptr<const PreparedHead>> CpuBackend::PrepareHead(
     std::shared_ptr<const HeadWeights> weights) {
-  const HeadWeights& w = *weights;
-  const int64_t vocab = w.vocab_size, hidden = w.hidden_size;
-  if (vocab < 1 || hidden < 1) return absl::InvalidArgumentError("head has an empty shape");
-  if (static_cast<int64_t>(w.weight.size()) != vocab * hidden * k::SizeOf(w.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("head '", w.name, "': weight bytes mismatch"));
-  }
-  auto head = std::make_shared<CpuHead>(weights);
-  LOGITSERVE_ASSIGN_OR_RETURN(auto full, TileGemm::Create(hidden, k::kVocabBlock, k::kVocabBlock));
-  head->full_gemm = std::move(full);
-  if (vocab % k::kVocabBlock != 0) {
-    LOGITSERVE_ASSIGN_OR_RETURN(auto last,
-                                TileGemm::Create(hidden, vocab % k::kVocabBlock, k::kVocabBlock));
-    head->last_gemm = std::move(last);
-  }
-  const int64_t nb = k::NumBlocks(vocab);
-  head->packed_blocks.resize(static_cast<size_t>(nb));
-  std::vector<absl::Status> status(static_cast<size_t>(nb));
-#pragma omp parallel num_threads(options_.threads)
-  {
-    std::vector<float> plain(static_cast<size_t>(k::kVocabBlock * hidden));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t n = BlockWidth(vocab, b);
-      const uint8_t* src = w.weight.data() + b * k::kVocabBlock * hidden * k::SizeOf(w.dtype);
-      k::CpuToFloat(w.dtype, src, n * hidden, 1.0f, plain.data());
-      auto packed = head->GemmFor(b).PackWeights(plain.data());
-      if (packed.ok()) {
-        head->packed_blocks[static_cast<size_t>(b)] = *std::move(packed);
-      } else {
-        status[static_cast<size_t>(b)] = packed.status();
-      }
-    }
-  }
-  for (const auto& s : status) {
-    if (!s.ok()) return s;
-  }
-  head->bias = w.bias;
+  const GemmPrecision precision = options_.gemm == CpuGemm::kAuto && CpuHasNativeBf16Gemm()
+                                      ? GemmPrecision::kBf16
+                                      : GemmPrecision::kFp32;
+  LOGITSERVE_ASSIGN_OR_RETURN(auto head,
+                              PrepareCpuHead(std::move(weights), precision, options_.threads));
   return std::shared_ptr<const PreparedHead>(std::move(head));
 }
 
@@ -155,7 +105,9 @@ class RankWorker final : public ShardedRank {
         with_ref_(job_.NeedsReference()),
         jsd_pass_(job_.jsd_beta.has_value() && *job_.jsd_beta > 0.0f && *job_.jsd_beta < 1.0f),
         keep_logits_(jsd_pass_ && (job_.model.hidden_mode() || job_.reference.hidden_mode())),
-        msg_(k::MakeTileMessage(kRowTile, MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row)) {}
+        tile_rows_(keep_logits_ ? kGemmRows : kRowTile),
+        msg_(k::MakeTileMessage(tile_rows_, MaxBlocks(*ctx.layout), job_.top_k, job_.ids_per_row)) {
+  }
 
   absl::Status Run();
 
@@ -167,15 +119,18 @@ class RankWorker final : public ShardedRank {
     return m;
   }
 
-  // fp32 logits of `rows` rows of global block `block` for one distribution, for the row tile
-  // starting at row0. Logits mode: pointers into the request (fp32, temperature 1) or converted
-  // copies in `scratch`. Hidden mode: one GEMM into `scratch` (ld = kVocabBlock) + transform.
-  absl::Status BlockLogits(const DistributionInput& in, const float* hidden_tile, int64_t row0,
-                           int64_t rows, int64_t block, float* scratch, void* gemm_scratch,
+  // fp32 logits of rows [row0 + g kGemmRows, + rows) (rows <= kGemmRows) of global block `block`
+  // for one distribution, for the row tile starting at row0. Logits mode: pointers into the
+  // request (fp32, temperature 1) or converted copies in `scratch`. Hidden mode: the GEMM into
+  // `scratch` (ld = kVocabBlock) + transform.
+  absl::Status BlockLogits(const DistributionInput& in, const HiddenTile& hidden_tile, int64_t row0,
+                           int g, int64_t rows, int64_t block, float* scratch, GemmBuffers* gemm,
                            std::vector<const float*>* row_ptrs) const;
-
   void ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
-                         std::vector<float>* tile) const;
+                         HiddenTile* tile) const {
+    tile->Convert(in.hidden, static_cast<const CpuHead&>(*in.head).precision, row0, rows,
+                  ctx_.threads);
+  }
   // ShardedRank.
   absl::Status ComputeTile(int64_t row0, int64_t rows) override;
   absl::Status Exchange(TileExchange what) override;
@@ -192,32 +147,25 @@ class RankWorker final : public ShardedRank {
   const bool with_ref_;
   const bool jsd_pass_;
   // JSD with a hidden-mode side: the tile's logits are kept for the second pass rather than
-  // recomputed (one [kRowTile, V_shard] buffer per distribution).
+  // recomputed (one [tile_rows_, V_shard] buffer per distribution).
   const bool keep_logits_;
+  // Rows of a tile: kRowTile, or one GEMM's when the tile's logits are kept (half the memory;
+  // the GEMMs, and so the bits, are the same).
+  const int64_t tile_rows_;
   const k::TileMessage msg_;  // what this rank sends per row tile (padded to the widest shard)
 
   std::vector<uint8_t> send_, recv_;
-  std::vector<float> partial_, partial_all_;  // JSD partials [kRowTile, max_blocks]: own, gathered
-  std::vector<float> hidden_model_, hidden_ref_;  // [kRowTile, H] fp32 row tiles
-  std::vector<float> keep_model_, keep_ref_;      // hidden mode + JSD: tile logits [rows, V_shard]
+  std::vector<float> partial_,
+      partial_all_;  // JSD partials [tile_rows_, max_blocks]: own, gathered
+  HiddenTile hidden_model_, hidden_ref_;
+  std::vector<float> keep_model_, keep_ref_;  // hidden mode + JSD: tile logits [rows, V_shard]
   std::vector<k::RowStats> model_rows_, ref_rows_;  // folded per row of the tile
   std::vector<k::PairRowStats> pair_rows_;
 };
 
-void RankWorker::ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
-                                   std::vector<float>* tile) const {
-  const int64_t h = in.hidden.cols;
-  tile->assign(static_cast<size_t>(kRowTile * h), 0.0f);  // padding rows stay zero
-  const auto* base = static_cast<const uint8_t*>(in.hidden.data);
-  for (int64_t r = 0; r < rows; ++r) {
-    k::CpuToFloat(in.hidden.type, base + (row0 + r) * h * k::SizeOf(in.hidden.type), h, 1.0f,
-                  tile->data() + r * h);
-  }
-}
-
-absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* hidden_tile,
-                                     int64_t row0, int64_t rows, int64_t block, float* scratch,
-                                     void* gemm_scratch,
+absl::Status RankWorker::BlockLogits(const DistributionInput& in, const HiddenTile& hidden_tile,
+                                     int64_t row0, int g, int64_t rows, int64_t block,
+                                     float* scratch, GemmBuffers* gemm,
                                      std::vector<const float*>* row_ptrs) const {
   const int64_t vocab = job_.vocab;
   const int64_t col0 = block * k::kVocabBlock;
@@ -227,7 +175,7 @@ absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* h
     const int64_t es = k::SizeOf(in.logits.type);
     const auto* base = static_cast<const uint8_t*>(in.logits.data);
     for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* src = base + ((row0 + r) * vocab + col0) * es;
+      const uint8_t* src = base + ((row0 + g * kGemmRows + r) * vocab + col0) * es;
       if (in.logits.type == k::FloatType::kFloat32 && in.temperature == 1.0f) {
         (*row_ptrs)[static_cast<size_t>(r)] = reinterpret_cast<const float*>(src);
       } else {
@@ -239,12 +187,7 @@ absl::Status RankWorker::BlockLogits(const DistributionInput& in, const float* h
     return absl::OkStatus();
   }
   const auto& head = static_cast<const CpuHead&>(*in.head);
-  const auto& gemm = head.GemmFor(block);
-  if (auto s = gemm.Run(hidden_tile, head.packed_blocks[static_cast<size_t>(block)].data(), scratch,
-                        gemm_scratch);
-      !s.ok()) {
-    return s;
-  }
+  LOGITSERVE_RETURN_IF_ERROR(BlockGemm(head, hidden_tile, g, block, vocab, scratch, gemm));
   k::LogitTransform t = HeadLogitTransform(head.weights().transform, in.temperature);
   t.bias = head.bias.empty() ? nullptr : head.bias.data() + col0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -261,7 +204,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
   auto* topk = reinterpret_cast<k::TopKEntry*>(send_.data() + msg_.topk_offset);
   auto* counts = reinterpret_cast<int32_t*>(send_.data() + msg_.count_offset);
   auto* targets = reinterpret_cast<float*>(send_.data() + msg_.target_offset);
-  for (int64_t i = 0; i < kRowTile * msg_.max_blocks; ++i) {
+  for (int64_t i = 0; i < tile_rows_ * msg_.max_blocks; ++i) {
     stats[i] = k::PairBlockStats{k::EmptyBlockStats(), k::EmptyBlockStats(), 0.0f, 0.0f};
   }
 
@@ -276,57 +219,63 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       static_cast<size_t>(k_top > 0 ? rows * num_blocks_ * k_top : 0));
   std::vector<int> block_counts(static_cast<size_t>(k_top > 0 ? rows * num_blocks_ : 0), 0);
 
-  std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
+  // Work items (block, GEMM of kGemmRows rows), a block's items consecutive: its weights,
+  // streamed from memory for the first, are in the cache for the others (whichever thread takes
+  // them), and the items are small enough that the threads finish the tile together.
+  const int gemms = static_cast<int>((rows + kGemmRows - 1) / kGemmRows);
+  const int64_t items = num_blocks_ * gemms;
+  std::vector<absl::Status> status(static_cast<size_t>(items));
 #pragma omp parallel num_threads(ctx_.threads)
   {
-    std::vector<float> scratch_m(static_cast<size_t>(kRowTile * k::kVocabBlock));
-    std::vector<float> scratch_r(with_ref_ ? static_cast<size_t>(kRowTile * k::kVocabBlock) : 0);
-    std::vector<uint8_t> gemm_scratch;
+    std::vector<float> scratch_m(static_cast<size_t>(kGemmRows * k::kVocabBlock));
+    std::vector<float> scratch_r(with_ref_ ? static_cast<size_t>(kGemmRows * k::kVocabBlock) : 0);
+    GemmBuffers gemm;
     std::vector<const float*> zm, zr;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t lb = 0; lb < num_blocks_; ++lb) {
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t lb = item / gemms;
+      const int g = static_cast<int>(item % gemms);
       const int64_t block = block_begin_ + lb;
       const int64_t col0 = block * k::kVocabBlock;
       const int64_t n = BlockWidth(job_.vocab, block);
-      auto run = [&](const DistributionInput& in, const std::vector<float>& htile,
-                     std::vector<float>& scratch, std::vector<const float*>& ptrs) {
-        if (in.hidden_mode()) {
-          const auto& head = static_cast<const CpuHead&>(*in.head);
-          gemm_scratch.resize(
-              std::max(gemm_scratch.size(), head.GemmFor(block).scratchpad_bytes()));
+      {
+        const int64_t r0 = g * kGemmRows;
+        const int64_t g_rows = std::min(kGemmRows, rows - r0);
+        auto run = [&](const DistributionInput& in, const HiddenTile& htile,
+                       std::vector<float>& scratch, std::vector<const float*>& ptrs) {
+          return BlockLogits(in, htile, row0, g, g_rows, block, scratch.data(), &gemm, &ptrs);
+        };
+        absl::Status s = run(job_.model, hidden_model_, scratch_m, zm);
+        if (s.ok() && with_ref_) s = run(job_.reference, hidden_ref_, scratch_r, zr);
+        if (!s.ok()) {
+          status[static_cast<size_t>(item)] = s;
+          continue;
         }
-        return BlockLogits(in, htile.data(), row0, rows, block, scratch.data(), gemm_scratch.data(),
-                           &ptrs);
-      };
-      absl::Status s = run(job_.model, hidden_model_, scratch_m, zm);
-      if (s.ok() && with_ref_) s = run(job_.reference, hidden_ref_, scratch_r, zr);
-      if (!s.ok()) {
-        status[static_cast<size_t>(lb)] = s;
-        continue;
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* a = zm[static_cast<size_t>(r)];
-        k::PairBlockStats& st = stats[r * msg_.max_blocks + lb];
-        if (with_ref_) {
-          st = k::CpuPairBlockStats(a, zr[static_cast<size_t>(r)], n);
-        } else {
-          st.a = k::CpuBlockStats(a, n);
-        }
-        if (k_top > 0) {
-          const size_t off = static_cast<size_t>((r * num_blocks_ + lb));
-          k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top),
-                          block_topk.data() + off * k_top, &block_counts[off]);
-        }
-        for (int64_t j = 0; j < job_.ids_per_row; ++j) {
-          const int32_t id =
-              job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
-          if (id >= col0 && id < col0 + n) targets[r * job_.ids_per_row + j] = a[id - col0];
-        }
-        if (keep_logits_) {
-          std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a,
-                      n * sizeof(float));
-          std::memcpy(keep_ref_.data() + r * shard_width + (col0 - shard_.begin),
-                      zr[static_cast<size_t>(r)], n * sizeof(float));
+        for (int64_t gr = 0; gr < g_rows; ++gr) {
+          const int64_t r = r0 + gr;
+          const float* a = zm[static_cast<size_t>(gr)];
+          k::PairBlockStats& st = stats[r * msg_.max_blocks + lb];
+          if (with_ref_) {
+            st = k::CpuPairBlockStats(a, zr[static_cast<size_t>(gr)], n);
+          } else {
+            st.a = k::CpuBlockStats(a, n);
+          }
+          if (k_top > 0) {
+            const size_t off = static_cast<size_t>((r * num_blocks_ + lb));
+            k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top),
+                            block_topk.data() + off * k_top, &block_counts[off]);
+          }
+          for (int64_t j = 0; j < job_.ids_per_row; ++j) {
+            const int32_t id =
+                job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
+            if (id >= col0 && id < col0 + n) targets[r * job_.ids_per_row + j] = a[id - col0];
+          }
+          if (keep_logits_) {
+            std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a,
+                        n * sizeof(float));
+            std::memcpy(keep_ref_.data() + r * shard_width + (col0 - shard_.begin),
+                        zr[static_cast<size_t>(gr)], n * sizeof(float));
+          }
         }
       }
     }
@@ -357,6 +306,8 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   model_rows_.assign(static_cast<size_t>(rows), k::EmptyRowStats());
   ref_rows_.assign(static_cast<size_t>(rows), k::EmptyRowStats());
   pair_rows_.assign(static_cast<size_t>(rows), k::EmptyPairRowStats());
+  // Rows are independent: folded by the job's threads (each row in global block order).
+#pragma omp parallel for num_threads(ctx_.threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb_total; ++b) {
       const int o = owner[static_cast<size_t>(b)];
@@ -411,28 +362,33 @@ absl::Status RankWorker::FoldTile(int64_t row0, int64_t rows) {
   if (job_.reverse_kl) outputs.reverse_kl = out.reverse_kl.data();
   if (job_.jsd_beta) outputs.jsd = out.jsd.data();
   outputs.jsd_endpoint = k::JsdEndpoint(job_.jsd_beta.has_value(), job_.jsd_beta.value_or(0.0f));
-  std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r;
-    const k::RowStats& m = model_rows_[static_cast<size_t>(r)];
-    // The row finisher (row_finisher.h, shared with the CUDA fold kernel); this backend's part is
-    // finding a target's logit in its owner's message and the top-k merge.
-    k::FinishRow(outputs, row, m, ref_rows_[static_cast<size_t>(r)],
-                 pair_rows_[static_cast<size_t>(r)], [&](int32_t j, int32_t id) {
-                   const int holder = owner[static_cast<size_t>(id / k::kVocabBlock)];
-                   return reinterpret_cast<const float*>(
-                       record(holder) + msg_.target_offset)[r * job_.ids_per_row + j];
-                 });
-    if (job_.top_k > 0) {
-      int count = 0;
-      for (int o = 0; o < ctx_.comm->size(); ++o) {
-        const auto* l =
-            reinterpret_cast<const k::TopKEntry*>(record(o) + msg_.topk_offset) + r * job_.top_k;
-        const int c = reinterpret_cast<const int32_t*>(record(o) + msg_.count_offset)[r];
-        k::TopKMerge(l, c, job_.top_k, list.data(), &count);
-      }
-      for (int32_t j = 0; j < outputs.top_k; ++j) {
-        k::FinishTopKEntry(outputs, row, j, j < count ? &list[static_cast<size_t>(j)] : nullptr, m);
+#pragma omp parallel num_threads(ctx_.threads)
+  {
+    std::vector<k::TopKEntry> list(static_cast<size_t>(job_.top_k));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = row0 + r;
+      const k::RowStats& m = model_rows_[static_cast<size_t>(r)];
+      // The row finisher (row_finisher.h, shared with the CUDA fold kernel); this backend's part is
+      // finding a target's logit in its owner's message and the top-k merge.
+      k::FinishRow(outputs, row, m, ref_rows_[static_cast<size_t>(r)],
+                   pair_rows_[static_cast<size_t>(r)], [&](int32_t j, int32_t id) {
+                     const int holder = owner[static_cast<size_t>(id / k::kVocabBlock)];
+                     return reinterpret_cast<const float*>(
+                         record(holder) + msg_.target_offset)[r * job_.ids_per_row + j];
+                   });
+      if (job_.top_k > 0) {
+        int count = 0;
+        for (int o = 0; o < ctx_.comm->size(); ++o) {
+          const auto* l =
+              reinterpret_cast<const k::TopKEntry*>(record(o) + msg_.topk_offset) + r * job_.top_k;
+          const int c = reinterpret_cast<const int32_t*>(record(o) + msg_.count_offset)[r];
+          k::TopKMerge(l, c, job_.top_k, list.data(), &count);
+        }
+        for (int32_t j = 0; j < outputs.top_k; ++j) {
+          k::FinishTopKEntry(outputs, row, j, j < count ? &list[static_cast<size_t>(j)] : nullptr,
+                             m);
+        }
       }
     }
   }
@@ -446,39 +402,46 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   std::vector<absl::Status> status(static_cast<size_t>(num_blocks_));
 #pragma omp parallel num_threads(ctx_.threads)
   {
-    std::vector<float> scratch_m(static_cast<size_t>(kRowTile * k::kVocabBlock));
-    std::vector<float> scratch_r(static_cast<size_t>(kRowTile * k::kVocabBlock));
+    std::vector<float> scratch_m(static_cast<size_t>(kGemmRows * k::kVocabBlock));
+    std::vector<float> scratch_r(static_cast<size_t>(kGemmRows * k::kVocabBlock));
     std::vector<const float*> zm, zr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t lb = 0; lb < num_blocks_; ++lb) {
       const int64_t block = block_begin_ + lb;
       const int64_t col0 = block * k::kVocabBlock;
       const int64_t n = BlockWidth(job_.vocab, block);
-      if (keep_logits_) {
-        zm.resize(static_cast<size_t>(rows));
-        zr.resize(static_cast<size_t>(rows));
-        for (int64_t r = 0; r < rows; ++r) {
-          zm[static_cast<size_t>(r)] = keep_model_.data() + r * shard_width + (col0 - shard_.begin);
-          zr[static_cast<size_t>(r)] = keep_ref_.data() + r * shard_width + (col0 - shard_.begin);
+      for (int g = 0; g * kGemmRows < rows; ++g) {
+        const int64_t r0 = g * kGemmRows;
+        const int64_t g_rows = std::min(kGemmRows, rows - r0);
+        if (keep_logits_) {
+          zm.resize(static_cast<size_t>(g_rows));
+          zr.resize(static_cast<size_t>(g_rows));
+          for (int64_t gr = 0; gr < g_rows; ++gr) {
+            const int64_t at = (r0 + gr) * shard_width + (col0 - shard_.begin);
+            zm[static_cast<size_t>(gr)] = keep_model_.data() + at;
+            zr[static_cast<size_t>(gr)] = keep_ref_.data() + at;
+          }
+        } else {
+          // Logits mode (hidden mode keeps its logits): no GEMM, no hidden tile.
+          absl::Status s = BlockLogits(job_.model, hidden_model_, row0, g, g_rows, block,
+                                       scratch_m.data(), nullptr, &zm);
+          if (s.ok())
+            s = BlockLogits(job_.reference, hidden_ref_, row0, g, g_rows, block, scratch_r.data(),
+                            nullptr, &zr);
+          if (!s.ok()) {
+            status[static_cast<size_t>(lb)] = s;
+            break;
+          }
         }
-      } else {
-        absl::Status s =
-            BlockLogits(job_.model, nullptr, row0, rows, block, scratch_m.data(), nullptr, &zm);
-        if (s.ok())
-          s = BlockLogits(job_.reference, nullptr, row0, rows, block, scratch_r.data(), nullptr,
-                          &zr);
-        if (!s.ok()) {
-          status[static_cast<size_t>(lb)] = s;
-          continue;
+        for (int64_t gr = 0; gr < g_rows; ++gr) {
+          const int64_t r = r0 + gr;
+          const k::RowStats& ms = model_rows_[static_cast<size_t>(r)];
+          const k::RowStats& rs = ref_rows_[static_cast<size_t>(r)];
+          if (k::AllMasked(ms) || k::AllMasked(rs)) continue;
+          partial_[static_cast<size_t>(r * msg_.max_blocks + lb)] =
+              k::CpuJsdBlock(zm[static_cast<size_t>(gr)], zr[static_cast<size_t>(gr)], n,
+                             k::NormOf(ms), k::NormOf(rs), beta);
         }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const k::RowStats& ms = model_rows_[static_cast<size_t>(r)];
-        const k::RowStats& rs = ref_rows_[static_cast<size_t>(r)];
-        if (k::AllMasked(ms) || k::AllMasked(rs)) continue;
-        partial_[static_cast<size_t>(r * msg_.max_blocks + lb)] =
-            k::CpuJsdBlock(zm[static_cast<size_t>(r)], zr[static_cast<size_t>(r)], n, k::NormOf(ms),
-                           k::NormOf(rs), beta);
       }
     }
   }
@@ -520,16 +483,17 @@ absl::Status RankWorker::Run() {
   send_.assign(msg_.bytes, 0);
   recv_.assign(msg_.bytes * static_cast<size_t>(ctx_.comm->size()), 0);
   if (jsd_pass_) {
-    partial_.assign(static_cast<size_t>(kRowTile * msg_.max_blocks), 0.0f);
+    partial_.assign(static_cast<size_t>(tile_rows_ * msg_.max_blocks), 0.0f);
     partial_all_.assign(partial_.size() * static_cast<size_t>(ctx_.comm->size()), 0.0f);
   }
-  if (keep_logits_) {
-    const size_t n = static_cast<size_t>(kRowTile * (shard_.end - shard_.begin));
+  if (keep_logits_) {  // a job shorter than a tile keeps only its rows
+    const size_t n =
+        static_cast<size_t>(std::min(tile_rows_, job_.rows) * (shard_.end - shard_.begin));
     keep_model_.assign(n, 0.0f);
     keep_ref_.assign(n, 0.0f);
   }
   ShardedJobPlan tiles;
-  tiles.tile_rows = kRowTile;
+  tiles.tile_rows = tile_rows_;
   tiles.jsd_pass = jsd_pass_;
   tiles.rank = rank_;
   return RunShardedJob(job_, tiles, *ctx_.failure, *this);

@@ -16,6 +16,16 @@ namespace logitserve::kernels {
 // Converts n elements of `src` to fp32 into `dst`, then divides by `temperature` unless it is 1.
 void CpuToFloat(FloatType type, const void* src, int64_t n, float temperature, float* dst);
 
+// Splits n elements of `src` into three exact bf16 parts, x = hi + mid + lo (the bits of each
+// part, truncation splits as the CUDA backend's LaunchSplitToBf16: hi keeps x's top 16 bits, mid
+// the next 8 significant bits of the rest, lo what is left, exactly, for finite x outside the
+// subnormal range), written to hi[i], mid[i], lo[i]. The bf16 GEMM of the CPU backend multiplies
+// the parts, so equal values given as bf16, fp16 or fp32 have equal parts. Returns a bit mask of
+// the parts holding a non-zero value (bit 0: hi, 1: mid, 2: lo); a part without one contributes
+// exactly +0 to every product and may be skipped.
+uint32_t CpuSplitToBf16(FloatType type, const void* src, int64_t n, uint16_t* hi, uint16_t* mid,
+                        uint16_t* lo);
+
 // Applies the head transform and temperature (logit_transform.h; hidden mode: every field but
 // `head` is read, as if head were true) in place to a row of n raw logits (h . W^T), bias[j] for
 // logit j. Logits mode needs only the temperature, which CpuToFloat divides by.
