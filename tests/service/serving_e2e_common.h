@@ -45,8 +45,9 @@ using Clock = std::chrono::steady_clock;
 
 // The row unit of --test-fault slow-tile:MS, which sleeps MS per 64 rows before every row tile
 // (server/backend/fault_injection.h), on every backend: a request of `t * kRowTile` rows cannot
-// finish in less than t * MS milliseconds. Stops are checked before every backend row tile (64
-// rows on the CPU, 512 in CUDA hidden mode), so a stop lands within one tile's sleep.
+// finish in less than t * MS milliseconds. Stops are checked before every backend row tile (512
+// rows on the CPU, 256 for its hidden-mode JSD; 512 in CUDA hidden mode), so a stop lands within
+// one tile's sleep.
 inline constexpr int64_t kRowTile = 64;
 
 inline const HeadMap& ReferenceHeads() {
