@@ -54,13 +54,12 @@ void Prefetch(const float* p, int64_t n) {
 }
 
 // What a work item needs besides its inputs, per OpenMP thread and kept across tiles and jobs
-// (libgomp keeps its threads): logits of one GEMM's rows per distribution, the GEMMs' buffers,
-// the rows' pointers. Grown on first use to a few MB a thread, never shrunk: allocating them per
+// (libgomp keeps its threads): logits of one GEMM's rows per distribution and the GEMMs' buffers.
+// Grown on first use to a few MB a thread, never shrunk: allocating them per
 // tile cost page faults and zeroing of 2-8 MB a tile, 5-15 % of a logits-mode job (perf).
 struct ItemBuffers {
   std::vector<float> scratch_m, scratch_r;
   GemmBuffers gemm;
-  std::vector<const float*> zm, zr;
 
   static ItemBuffers& OfThisThread(bool pair) {
     thread_local ItemBuffers b;
@@ -181,8 +180,8 @@ class RankWorker final : public ShardedRank {
   const k::TileMessage msg_;  // what this rank sends per row tile (padded to the widest shard)
 
   std::vector<uint8_t> send_, recv_;
-  std::vector<float> partial_,
-      partial_all_;  // JSD partials [tile_rows_, max_blocks]: own, gathered
+  // JSD partials [tile_rows_, max_blocks]: own, gathered.
+  std::vector<float> partial_, partial_all_;
   HiddenTile hidden_model_, hidden_ref_;
   std::vector<float> keep_model_, keep_ref_;  // hidden mode + JSD: tile logits [rows, V_shard]
   std::vector<k::RowStats> model_rows_, ref_rows_;  // folded per row of the tile
@@ -254,8 +253,6 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
 #pragma omp parallel num_threads(ctx_.threads)
   {
     ItemBuffers& buf = ItemBuffers::OfThisThread(with_ref_);
-    std::vector<float>&scratch_m = buf.scratch_m, &scratch_r = buf.scratch_r;
-    GemmBuffers& gemm = buf.gemm;
     std::vector<const float*> zm, zr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -264,50 +261,48 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       const int64_t block = block_begin_ + lb;
       const int64_t col0 = block * k::kVocabBlock;
       const int64_t n = BlockWidth(job_.vocab, block);
-      {
-        const int64_t r0 = g * kGemmRows;
-        const int64_t g_rows = std::min(kGemmRows, rows - r0);
-        auto run = [&](const DistributionInput& in, const HiddenTile& htile,
-                       std::vector<float>& scratch, std::vector<const float*>& ptrs) {
-          return BlockLogits(in, htile, row0, g, g_rows, block, scratch.data(), &gemm, &ptrs);
-        };
-        absl::Status s = run(job_.model, hidden_model_, scratch_m, zm);
-        if (s.ok() && with_ref_) s = run(job_.reference, hidden_ref_, scratch_r, zr);
-        if (!s.ok()) {
-          status[static_cast<size_t>(item)] = s;
-          continue;
+      const int64_t r0 = g * kGemmRows;
+      const int64_t g_rows = std::min(kGemmRows, rows - r0);
+      auto run = [&](const DistributionInput& in, const HiddenTile& htile,
+                     std::vector<float>& scratch, std::vector<const float*>& ptrs) {
+        return BlockLogits(in, htile, row0, g, g_rows, block, scratch.data(), &buf.gemm, &ptrs);
+      };
+      absl::Status s = run(job_.model, hidden_model_, buf.scratch_m, zm);
+      if (s.ok() && with_ref_) s = run(job_.reference, hidden_ref_, buf.scratch_r, zr);
+      if (!s.ok()) {
+        status[static_cast<size_t>(item)] = s;
+        continue;
+      }
+      for (int64_t gr = 0; gr < g_rows; ++gr) {
+        const int64_t r = r0 + gr;
+        const float* a = zm[static_cast<size_t>(gr)];
+        if (gr + 1 < g_rows) {  // logits mode: the next row's block, from memory
+          if (!job_.model.hidden_mode()) Prefetch(zm[static_cast<size_t>(gr) + 1], n);
+          if (with_ref_ && !job_.reference.hidden_mode()) {
+            Prefetch(zr[static_cast<size_t>(gr) + 1], n);
+          }
         }
-        for (int64_t gr = 0; gr < g_rows; ++gr) {
-          const int64_t r = r0 + gr;
-          const float* a = zm[static_cast<size_t>(gr)];
-          if (gr + 1 < g_rows) {  // logits mode: the next row's block, from memory
-            if (!job_.model.hidden_mode()) Prefetch(zm[static_cast<size_t>(gr) + 1], n);
-            if (with_ref_ && !job_.reference.hidden_mode()) {
-              Prefetch(zr[static_cast<size_t>(gr) + 1], n);
-            }
-          }
-          k::PairBlockStats& st = stats[r * msg_.max_blocks + lb];
-          if (with_ref_) {
-            st = k::CpuPairBlockStats(a, zr[static_cast<size_t>(gr)], n);
-          } else {
-            st.a = k::CpuBlockStats(a, n);
-          }
-          if (k_top > 0) {
-            const size_t off = static_cast<size_t>((r * num_blocks_ + lb));
-            k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top),
-                            block_topk.data() + off * k_top, &block_counts[off]);
-          }
-          for (int64_t j = 0; j < job_.ids_per_row; ++j) {
-            const int32_t id =
-                job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
-            if (id >= col0 && id < col0 + n) targets[r * job_.ids_per_row + j] = a[id - col0];
-          }
-          if (keep_logits_) {
-            std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a,
-                        n * sizeof(float));
-            std::memcpy(keep_ref_.data() + r * shard_width + (col0 - shard_.begin),
-                        zr[static_cast<size_t>(gr)], n * sizeof(float));
-          }
+        k::PairBlockStats& st = stats[r * msg_.max_blocks + lb];
+        if (with_ref_) {
+          st = k::CpuPairBlockStats(a, zr[static_cast<size_t>(gr)], n);
+        } else {
+          st.a = k::CpuBlockStats(a, n);
+        }
+        if (k_top > 0) {
+          const size_t off = static_cast<size_t>((r * num_blocks_ + lb));
+          k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top),
+                          block_topk.data() + off * k_top, &block_counts[off]);
+        }
+        for (int64_t j = 0; j < job_.ids_per_row; ++j) {
+          const int32_t id =
+              job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
+          if (id >= col0 && id < col0 + n) targets[r * job_.ids_per_row + j] = a[id - col0];
+        }
+        if (keep_logits_) {
+          std::memcpy(keep_model_.data() + r * shard_width + (col0 - shard_.begin), a,
+                      n * sizeof(float));
+          std::memcpy(keep_ref_.data() + r * shard_width + (col0 - shard_.begin),
+                      zr[static_cast<size_t>(gr)], n * sizeof(float));
         }
       }
     }
@@ -435,8 +430,7 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
 #pragma omp parallel num_threads(ctx_.threads)
   {
     ItemBuffers& buf = ItemBuffers::OfThisThread(/*pair=*/true);
-    std::vector<float>&scratch_m = buf.scratch_m, &scratch_r = buf.scratch_r;
-    std::vector<const float*>&zm = buf.zm, &zr = buf.zr;
+    std::vector<const float*> zm, zr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t lb = 0; lb < num_blocks_; ++lb) {
       const int64_t block = block_begin_ + lb;
@@ -456,10 +450,10 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
         } else {
           // Logits mode (hidden mode keeps its logits): no GEMM, no hidden tile.
           absl::Status s = BlockLogits(job_.model, hidden_model_, row0, g, g_rows, block,
-                                       scratch_m.data(), nullptr, &zm);
+                                       buf.scratch_m.data(), nullptr, &zm);
           if (s.ok())
-            s = BlockLogits(job_.reference, hidden_ref_, row0, g, g_rows, block, scratch_r.data(),
-                            nullptr, &zr);
+            s = BlockLogits(job_.reference, hidden_ref_, row0, g, g_rows, block,
+                            buf.scratch_r.data(), nullptr, &zr);
           if (!s.ok()) {
             status[static_cast<size_t>(lb)] = s;
             break;
