@@ -153,7 +153,7 @@ class RankWorker final : public ShardedRank {
                            std::vector<const float*>* row_ptrs) const;
   void ConvertHiddenTile(const DistributionInput& in, int64_t row0, int64_t rows,
                          HiddenTile* tile) const {
-    tile->Convert(in.hidden, static_cast<const CpuHead&>(*in.head).precision, row0, rows,
+    tile->Convert(in.hidden, static_cast<const CpuHead&>(*in.head).precision(), row0, rows,
                   ctx_.threads);
   }
   // ShardedRank.

@@ -20,20 +20,18 @@ absl::StatusOr<std::shared_ptr<const CpuHead>> PrepareCpuHead(
     return absl::InvalidArgumentError(absl::StrCat("head '", w.name, "': weight bytes mismatch"));
   }
   auto head = std::make_shared<CpuHead>(weights);
-  head->precision = precision;
-  LOGITSERVE_ASSIGN_OR_RETURN(
-      auto full, TileGemm::Create(head->precision, hidden, k::kVocabBlock, k::kVocabBlock));
+  LOGITSERVE_ASSIGN_OR_RETURN(auto full,
+                              TileGemm::Create(precision, hidden, k::kVocabBlock, k::kVocabBlock));
   head->full_gemm = std::move(full);
   if (vocab % k::kVocabBlock != 0) {
     LOGITSERVE_ASSIGN_OR_RETURN(
-        auto last,
-        TileGemm::Create(head->precision, hidden, vocab % k::kVocabBlock, k::kVocabBlock));
+        auto last, TileGemm::Create(precision, hidden, vocab % k::kVocabBlock, k::kVocabBlock));
     head->last_gemm = std::move(last);
   }
   const int64_t nb = k::NumBlocks(vocab);
   head->packed_blocks.resize(static_cast<size_t>(nb));
   std::vector<absl::Status> status(static_cast<size_t>(nb));
-  const bool bf16 = head->precision == GemmPrecision::kBf16;
+  const bool bf16 = precision == GemmPrecision::kBf16;
 #pragma omp parallel num_threads(threads)
   {
     const size_t block_values = static_cast<size_t>(k::kVocabBlock * hidden);
@@ -94,7 +92,7 @@ void HiddenTile::Convert(const MatrixView& in, GemmPrecision precision, int64_t 
     const int64_t n = std::min(kGemmRows, rows - r0) * h;  // values of real rows
     const int64_t pad = kGemmRows * h - n;
     if (is_fp32) {
-      float* dst = fp32.data() + g * kGemmRows * h;
+      float* dst = const_cast<float*>(Fp32(g));
       k::CpuToFloat(in.type, base + r0 * h * es, n, 1.0f, dst);
       std::fill_n(dst + n, pad, 0.0f);
     } else {
@@ -110,7 +108,7 @@ absl::Status BlockGemm(const CpuHead& head, const HiddenTile& hidden_tile, int g
   const TileGemm& tg = head.GemmFor(block);
   const auto& weight_parts = head.packed_blocks[static_cast<size_t>(block)];
   gemm->scratchpad.resize(std::max(gemm->scratchpad.size(), tg.scratchpad_bytes()));
-  if (head.precision == GemmPrecision::kFp32) {
+  if (head.precision() == GemmPrecision::kFp32) {
     return tg.Run(hidden_tile.Fp32(g), weight_parts.front().data(), scratch,
                   gemm->scratchpad.data());
   }

@@ -33,12 +33,13 @@ inline int64_t BlockWidth(int64_t vocab, int64_t block) {
 class CpuHead final : public PreparedHead {
  public:
   using PreparedHead::PreparedHead;
-  GemmPrecision precision = GemmPrecision::kFp32;
   std::unique_ptr<TileGemm> full_gemm;  // n = kVocabBlock
   std::unique_ptr<TileGemm> last_gemm;  // n = vocab % kVocabBlock, when not 0
   std::vector<std::vector<std::vector<uint8_t>>> packed_blocks;  // [block][part]
   std::vector<float> bias;                                       // empty or vocab
 
+  // Both primitives run the precision the head was prepared for.
+  GemmPrecision precision() const { return full_gemm->precision(); }
   const TileGemm& GemmFor(int64_t block) const {
     const int64_t nb = static_cast<int64_t>(packed_blocks.size());
     return (block == nb - 1 && last_gemm) ? *last_gemm : *full_gemm;
