@@ -171,6 +171,11 @@ __device__ __forceinline__ uint32_t RawBits(const DeviceSource& s, int64_t i) {
 
 // Loads lane `lane`'s share of the block starting at column c0 of row `row`. Columns past s.cols
 // read as -inf. Full, aligned blocks use 16-byte loads, all issued before any use.
+// The 16-byte loads are ld.global.cs (streaming: evict-first in L1 and L2), as the streamed fp32
+// form's bulk copies are: the logits are read once, and lines kept in L2 only push out what
+// others will read. Measured on the H200 (bf16 [8192 x 75968], one call, alternating with the
+// plain loads): single statistics 0.294 -> 0.283 ms (1.06 -> 1.01x one read; Nsight Compute DRAM
+// throughput 90.0 -> 91.9 %), Score logprobs 0.322 -> 0.301 ms, pair statistics 0.585 -> 0.578.
 template <FloatType T>
 __device__ __forceinline__ void LoadLaneBlock(const DeviceSource& s, int64_t row, int64_t c0,
                                               int lane, LaneBlock<T>& b) {
@@ -181,13 +186,13 @@ __device__ __forceinline__ void LoadLaneBlock(const DeviceSource& s, int64_t row
       if constexpr (T == FloatType::kFloat32) {
         const uint4* p =
             reinterpret_cast<const uint4*>(static_cast<const float*>(s.data) + base + j * 256);
-        const uint4 x0 = p[0];
-        const uint4 x1 = p[1];
+        const uint4 x0 = __ldcs(p);
+        const uint4 x1 = __ldcs(p + 1);
         b.w[j][0] = x0.x, b.w[j][1] = x0.y, b.w[j][2] = x0.z, b.w[j][3] = x0.w;
         b.w[j][4] = x1.x, b.w[j][5] = x1.y, b.w[j][6] = x1.z, b.w[j][7] = x1.w;
       } else {
-        const uint4 x =
-            *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.data) + base + j * 256);
+        const uint4 x = __ldcs(
+            reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.data) + base + j * 256));
         b.w[j][0] = x.x, b.w[j][1] = x.y, b.w[j][2] = x.z, b.w[j][3] = x.w;
       }
     }
