@@ -145,14 +145,14 @@ class RankWorker final : public ShardedRank {
     return m;
   }
 
-  // fp32 logits of rows [row0 + g kGemmRows, + rows) (rows <= kGemmRows) of global block `block`
-  // for one distribution, for the row tile starting at row0. Logits mode: pointers into the
-  // request (fp32, temperature 1) or converted copies in `scratch`. Hidden mode: the GEMM into
-  // `scratch` (ld = kVocabBlock) + transform.
   // Logits mode: block `block` of global row `row` as fp32, in place when it is fp32 without a
   // temperature, else converted into `scratch` (kVocabBlock floats).
   const float* RowBlock(const DistributionInput& in, int64_t row, int64_t block,
                         float* scratch) const;
+  // fp32 logits of rows [row0 + g kGemmRows, + rows) (rows <= kGemmRows) of global block `block`
+  // for one distribution, for the row tile starting at row0. Logits mode: pointers into the
+  // request (fp32, temperature 1) or converted copies in `scratch`. Hidden mode: the GEMM into
+  // `scratch` (ld = kVocabBlock) + transform.
   absl::Status BlockLogits(const DistributionInput& in, const HiddenTile& hidden_tile, int64_t row0,
                            int g, int64_t rows, int64_t block, float* scratch, GemmBuffers* gemm,
                            std::vector<const float*>* row_ptrs) const;
