@@ -248,10 +248,14 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
 
   const int64_t k_top = job_.top_k;
   const int64_t shard_width = shard_.end - shard_.begin;
-  // Per-block top-k lists, merged per row after the parallel loop.
+  const bool logits_only =
+      !job_.model.hidden_mode() && !(with_ref_ && job_.reference.hidden_mode());
+  // Hidden mode: per-block top-k lists, merged per row after the parallel loop. (Logits mode
+  // offers a row's blocks, in order on one thread, straight to the row's list.)
+  const bool block_lists = k_top > 0 && !logits_only;
   std::vector<k::TopKEntry> block_topk(
-      static_cast<size_t>(k_top > 0 ? rows * num_blocks_ * k_top : 0));
-  std::vector<int> block_counts(static_cast<size_t>(k_top > 0 ? rows * num_blocks_ : 0), 0);
+      static_cast<size_t>(block_lists ? rows * num_blocks_ * k_top : 0));
+  std::vector<int> block_counts(static_cast<size_t>(block_lists ? rows * num_blocks_ : 0), 0);
 
   // Everything of (tile row r, local block lb) given its fp32 logits a (and the reference's b).
   auto row_block = [&](int64_t r, int64_t lb, const float* a, const float* b) {
@@ -263,10 +267,13 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     } else {
       st.a = k::CpuBlockStats(a, n);
     }
-    if (k_top > 0) {
+    if (block_lists) {
       const size_t off = static_cast<size_t>((r * num_blocks_ + lb));
       k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top),
                       block_topk.data() + off * k_top, &block_counts[off]);
+    } else if (k_top > 0) {
+      k::CpuTopKBlock(a, n, static_cast<int32_t>(col0), static_cast<int>(k_top), topk + r * k_top,
+                      &counts[r]);
     }
     for (int64_t j = 0; j < job_.ids_per_row; ++j) {
       const int32_t id = job_.target_ids[static_cast<size_t>((row0 + r) * job_.ids_per_row + j)];
@@ -279,15 +286,15 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     }
   };
 
-  const bool logits_only =
-      !job_.model.hidden_mode() && !(with_ref_ && job_.reference.hidden_mode());
   if (logits_only) {
     // Logits mode: rows are the work items, each row's blocks in order. A row is V contiguous
     // values, so the hardware prefetchers stream it; 16-bit logits are converted a block at a
     // time into a per-thread scratch that stays in L1. Going block by block down 256 rows (the
     // GEMM items below) made every 8 KB block a fresh stream 4 V bytes from the last: the fp32
     // statistics of [2048 x 32000] took 14.4 ms against 10.5 row by row (2-core Zen 5, a
-    // microbenchmark of CpuBlockStats in both orders).
+    // microbenchmark of CpuBlockStats in both orders). Top-k: the row's list sees its values in
+    // order, so only values above the row's k-th best so far are inserted (a per-block list
+    // starts empty in every block); the result is the same, Better being a strict total order.
 #pragma omp parallel num_threads(ctx_.threads)
     {
       ItemBuffers& buf = ItemBuffers::OfThisThread(with_ref_);
@@ -346,7 +353,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       if (!s.ok()) return s;
     }
   }
-  if (k_top > 0) {
+  if (block_lists) {
     for (int64_t r = 0; r < rows; ++r) {
       int count = 0;
       k::TopKEntry* list = topk + r * k_top;
