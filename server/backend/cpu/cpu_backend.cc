@@ -248,11 +248,13 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
 
   const int64_t k_top = job_.top_k;
   const int64_t shard_width = shard_.end - shard_.begin;
-  const bool logits_only =
-      !job_.model.hidden_mode() && !(with_ref_ && job_.reference.hidden_mode());
-  // Hidden mode: per-block top-k lists, merged per row after the parallel loop. (Logits mode
-  // offers a row's blocks, in order on one thread, straight to the row's list.)
-  const bool block_lists = k_top > 0 && !logits_only;
+  // Logits mode goes row by row (below) when the rows go round the threads, twice at least; a
+  // shorter tile (a short request) takes the hidden-mode items, whose blocks spread over them.
+  const bool by_rows = !job_.model.hidden_mode() && !(with_ref_ && job_.reference.hidden_mode()) &&
+                       rows >= 2 * static_cast<int64_t>(ctx_.threads);
+  // Per-block top-k lists, merged per row after the parallel loop. (Row by row, a row's blocks,
+  // in order on one thread, go straight to the row's list.)
+  const bool block_lists = k_top > 0 && !by_rows;
   std::vector<k::TopKEntry> block_topk(
       static_cast<size_t>(block_lists ? rows * num_blocks_ * k_top : 0));
   std::vector<int> block_counts(static_cast<size_t>(block_lists ? rows * num_blocks_ : 0), 0);
@@ -286,7 +288,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
     }
   };
 
-  if (logits_only) {
+  if (by_rows) {
     // Logits mode: rows are the work items, each row's blocks in order. A row is V contiguous
     // values, so the hardware prefetchers stream it; 16-bit logits are converted a block at a
     // time into a per-thread scratch that stays in L1. Going block by block down 256 rows (the
@@ -310,10 +312,10 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
       }
     }
   } else {
-    // Hidden mode: work items (block, GEMM of kGemmRows rows), a block's items consecutive: its
-    // weights, streamed from memory for the first, are in the cache for the others (whichever
-    // thread takes them), and the items are small enough that the threads finish the tile
-    // together.
+    // Work items (block, GEMM of kGemmRows rows), a block's items consecutive: in hidden mode
+    // its weights, streamed from memory for the first, are in the cache for the others
+    // (whichever thread takes them), and the items are small enough that the threads finish
+    // the tile together.
     const int gemms = static_cast<int>((rows + kGemmRows - 1) / kGemmRows);
     const int64_t items = num_blocks_ * gemms;
     std::vector<absl::Status> status(static_cast<size_t>(items));
@@ -469,32 +471,35 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   const float beta = *job_.jsd_beta;
   const int64_t shard_width = shard_.end - shard_.begin;
   std::fill(partial_.begin(), partial_.end(), 0.0f);
-  // Row by row, each row's blocks in order (ComputeTile's logits-mode order); hidden mode reads
-  // the logits it kept, logits mode the request's (no GEMM either way).
+  // Items (row, block), a row's blocks consecutive (ComputeTile's logits-mode order); a chunk is
+  // a whole row when the rows go round the threads twice, else one block (a short tile's blocks
+  // spread over the threads). Hidden mode reads the logits it kept, logits mode the request's
+  // (no GEMM either way).
+  const int64_t chunk = rows >= 2 * static_cast<int64_t>(ctx_.threads) ? num_blocks_ : 1;
 #pragma omp parallel num_threads(ctx_.threads)
   {
     ItemBuffers& buf = ItemBuffers::OfThisThread(/*pair=*/true);
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t r = 0; r < rows; ++r) {
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t item = 0; item < rows * num_blocks_; ++item) {
+      const int64_t r = item / num_blocks_;
+      const int64_t lb = item - r * num_blocks_;
       const k::RowStats& ms = model_rows_[static_cast<size_t>(r)];
       const k::RowStats& rs = ref_rows_[static_cast<size_t>(r)];
       if (k::AllMasked(ms) || k::AllMasked(rs)) continue;
-      for (int64_t lb = 0; lb < num_blocks_; ++lb) {
-        const int64_t block = block_begin_ + lb;
-        const int64_t col0 = block * k::kVocabBlock;
-        const float* zm;
-        const float* zr;
-        if (keep_logits_) {
-          const int64_t at = r * shard_width + (col0 - shard_.begin);
-          zm = keep_model_.data() + at;
-          zr = keep_ref_.data() + at;
-        } else {
-          zm = RowBlock(job_.model, row0 + r, block, buf.scratch_m.data());
-          zr = RowBlock(job_.reference, row0 + r, block, buf.scratch_r.data());
-        }
-        partial_[static_cast<size_t>(r * msg_.max_blocks + lb)] = k::CpuJsdBlock(
-            zm, zr, BlockWidth(job_.vocab, block), k::NormOf(ms), k::NormOf(rs), beta);
+      const int64_t block = block_begin_ + lb;
+      const int64_t col0 = block * k::kVocabBlock;
+      const float* zm;
+      const float* zr;
+      if (keep_logits_) {
+        const int64_t at = r * shard_width + (col0 - shard_.begin);
+        zm = keep_model_.data() + at;
+        zr = keep_ref_.data() + at;
+      } else {
+        zm = RowBlock(job_.model, row0 + r, block, buf.scratch_m.data());
+        zr = RowBlock(job_.reference, row0 + r, block, buf.scratch_r.data());
       }
+      partial_[static_cast<size_t>(r * msg_.max_blocks + lb)] =
+          k::CpuJsdBlock(zm, zr, BlockWidth(job_.vocab, block), k::NormOf(ms), k::NormOf(rs), beta);
     }
   }
   return absl::OkStatus();
