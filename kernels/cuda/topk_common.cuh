@@ -1,5 +1,6 @@
 // What the top-k kernels share (private to kernels/cuda): the keys they order candidates by, and
-// the warp-per-row selection of topk_warp_select.cu, which topk_kernel.cu launches for a small k.
+// the selections topk_kernel.cu launches from other files: a warp per row for a small k
+// (topk_warp_select.cu), a CTA of 256 threads per row for a large one (topk_wide_select.cu).
 #pragma once
 
 #include <climits>
@@ -56,5 +57,10 @@ inline bool WarpSelectServes(int64_t blocks, int32_t k) {
 cudaError_t LaunchWarpSelect(const LogitsSource& a, int64_t rows, const float* lane_max,
                              const uint32_t* lane_aux, int32_t k, TopKEntry* lists, int32_t* counts,
                              cudaStream_t stream);
+
+// Steps 2-3 of topk_kernel.cu for k > 128, a CTA of 256 threads per row (topk_wide_select.cu),
+// from step 1's lane maxima; rows it cannot serve are flagged for the fallback (a negative count).
+cudaError_t LaunchWideSelect(const LogitsSource& a, int64_t rows, const float* lane_max, int32_t k,
+                             TopKEntry* lists, int32_t* counts, cudaStream_t stream);
 
 }  // namespace logitserve::kernels::cuda::detail

@@ -9,9 +9,13 @@
 //   2. A small CTA per row (for k <= 64 a warp per row instead: topk_warp_select.cu) finds T
 //      (radix select over the lane maxima), loads the 64 values of each lane that reaches it
 //      again (128 bytes each: about k of the row's 32 * blocks lanes) and keeps each value >= T,
-//      with its id, as a candidate in shared memory.
+//      with its id, as a candidate in shared memory. For k > 128 (TopKSelectWideKernel) most
+//      lanes reach T, so the values are offered in two steps: every 8-value chunk of those lanes
+//      is loaded and only its maximum tested (the chunks that reach T listed), then the listed
+//      chunks' values are tested one by one.
 //   3. An exact radix select on a 64-bit key that orders like Better (value, then the smaller id)
-//      picks the k best of the candidates and of the running list; a bitonic sort orders them.
+//      picks the k best of the candidates and of the running list; a sort orders them (CUB's
+//      block merge sort for k > 128, a bitonic sort in shared memory below).
 // The previous design (a CTA per row offering block after block to a sorted list: a bitonic sort
 // and a merge per 2048 ids) ran at 20x one read. A first version of this one fused steps 1-3 into
 // a CTA per row: 3 CTAs per SM, each spending half its time in the selection, left DRAM 30 % busy
@@ -28,46 +32,36 @@
 // served a row, on the order blocks are seen in, or on the shard layout.
 #include <algorithm>
 #include <climits>
+#include <cub/block/block_merge_sort.cuh>
 #include <type_traits>
 
 #include "kernels/cuda/block_items.cuh"
 #include "kernels/cuda/topk_common.cuh"
+#include "kernels/cuda/topk_select.cuh"
 
 namespace logitserve::kernels::cuda {
 namespace {
 
 using detail::DeviceSource;
-using detail::KeyOf;
+using detail::JoinRunningList;
+using detail::kMaxCandidates;
+using detail::kMaxSelectBlocks;
+using detail::kRankByCount;
 using detail::OrderedBits;
+using detail::PowerOfTwoAtLeast;
+using detail::RankByCount;
+using detail::RowThreshold;
+using detail::SelectBest;
+using detail::SelectShared;
+using detail::Sentinel;
 
 // Threads of the selection CTA (one CTA per row).
 constexpr int kSelectThreads = 128;
-// Candidates a row may collect in shared memory: without ties at T, the k lanes that reach it hold
-// at most 64 k values; normal logits in bf16 give about 1.1 k (k = 64) to 2.3 k (k = 1024).
-constexpr int kMaxCandidates = 4096;
 int CandidateCap(int32_t k) { return k <= 64 ? 512 : (k <= 256 ? 1024 : kMaxCandidates); }
-// Candidates up to which the selection ranks by counting (n^2 / kSelectThreads key compares a
-// thread) rather than by radix select and bitonic sort.
-constexpr int kRankByCount = 512;
 // Lanes reaching the threshold a row may list (about k; more only with ties at T).
 constexpr int kMaxItems = 2048;
-// Blocks a source may have for the selection kernel (their lane maxima are staged in shared
-// memory: 128 bytes a block); longer sources go to the fallback for every row.
-constexpr int64_t kMaxSelectBlocks = 512;
 // The largest k whose selection loads the listed lanes a warp per lane (TopKSelectKernel, step 2).
 constexpr int32_t kNarrowLoadsMaxK = 128;
-// Radix select: 8-bit digits.
-constexpr int kRadixBins = 256;
-
-// The smallest power of two >= n (n >= 1): the bitonic sort's padded length.
-__host__ __device__ __forceinline__ int PowerOfTwoAtLeast(int n) {
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
-
-// Ranks after every real entry (also -inf ones, whose ids are smaller).
-__device__ __forceinline__ TopKEntry Sentinel() { return TopKEntry{detail::NegInfF(), INT_MAX}; }
 
 // Number of entries of sorted list[0, n) that are Better than x.
 __device__ __forceinline__ int CountBetter(const TopKEntry* list, int n, const TopKEntry& x) {
@@ -103,72 +97,6 @@ __device__ void BitonicSortBestFirst(TopKEntry* s, int n) {
       }
       __syncthreads();
     }
-  }
-}
-
-// What the CTA agrees on after each radix pass (written by one thread, read by all).
-struct RadixShared {
-  int hist[kRadixBins];
-  int digit;
-  int above;  // keys of the current prefix group with a larger digit
-  int count;  // keys of the current prefix group with this digit
-};
-
-// The k best (largest) of n keys, 1 <= k <= n, key(i) for i < n, zero above bit `top_bit` + 8,
-// digits from bit `top_bit` down to bit `last_bit`: returns (prefix, shift) such that the keys with
-// key >> shift >= prefix >> shift are the k largest when the keys are distinct in their bits above
-// last_bit (otherwise a superset: every key that ties the k-th above last_bit). With `stop_early`,
-// stops at the first digit whose group is taken whole (still exact as a selection). Called by
-// every thread of the CTA; the result is uniform.
-template <typename KeyAt>
-__device__ void RadixSelect(int n, int k, int top_bit, int last_bit, bool stop_early, KeyAt key_at,
-                            RadixShared* sh, uint64_t* prefix_out, int* shift_out) {
-  uint64_t prefix = 0;
-  int remaining = k;
-  for (int shift = top_bit; shift >= last_bit; shift -= 8) {
-    for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh->hist[i] = 0;
-    __syncthreads();
-    const uint64_t group_mask = shift + 8 >= 64 ? 0 : (~0ull << (shift + 8));
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint64_t key = key_at(i);
-      if ((key & group_mask) == prefix) {
-        atomicAdd(&sh->hist[static_cast<int>(key >> shift) & (kRadixBins - 1)], 1);
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane l holds digits 255 - 8 l down to 248 - 8 l: lanes in order visit digits largest first.
-      const int lane = threadIdx.x;
-      int c[8], mine = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = sh->hist[kRadixBins - 1 - 8 * lane - j];
-        mine += c[j];
-      }
-      const int incl = detail::WarpInclusiveSum(mine, lane);
-      int above = incl - mine;
-      if (above < remaining && remaining <= incl) {  // exactly one lane
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (above + c[j] >= remaining) {
-            sh->digit = kRadixBins - 1 - 8 * lane - j;
-            sh->above = above;
-            sh->count = c[j];
-            break;
-          }
-          above += c[j];
-        }
-      }
-    }
-    __syncthreads();
-    prefix |= static_cast<uint64_t>(sh->digit) << shift;
-    remaining -= sh->above;
-    if ((stop_early && sh->count == remaining) || shift == last_bit) {
-      *prefix_out = prefix;
-      *shift_out = shift;
-      return;
-    }
-    // sh is written again only after the next pass's two barriers: every thread has read it.
   }
 }
 
@@ -246,15 +174,8 @@ struct LaneMaxOp {
   }
 };
 
-struct alignas(16) SelectShared {
-  RadixShared radix;
-  int num_cand;
-  int num_best;
-  int num_items;
-};
-
-// Dynamic shared memory: SelectShared, the candidates, the k best, the lane maxima's keys, the list
-// of lanes that reach the threshold.
+// TopKSelectKernel's dynamic shared memory: SelectShared, the candidates, the k best, the lane
+// maxima's keys, the list of lanes that reach the threshold.
 size_t SelectSharedBytes(int64_t blocks, int32_t k) {
   const int padded = PowerOfTwoAtLeast(k);
   const int64_t maxima = blocks * 32;
@@ -263,7 +184,8 @@ size_t SelectSharedBytes(int64_t blocks, int32_t k) {
          static_cast<size_t>(CandidateCap(k) + padded) * sizeof(TopKEntry);
 }
 
-template <bool kWideLoads>
+// Steps 2-3 for 64 < k <= kNarrowLoadsMaxK (and for smaller k on sources the warp selection does
+// not serve): a CTA of kSelectThreads per row.
 __global__ void __launch_bounds__(kSelectThreads)
     TopKSelectKernel(DeviceSource a, int64_t col0, int64_t blocks, const float* lane_max, int32_t k,
                      int cap, TopKEntry* lists, int32_t* counts) {
@@ -278,39 +200,15 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int64_t row = blockIdx.x;
   const int count = counts[row];
   TopKEntry* global_list = lists + row * k;
-  const float* row_max = lane_max + row * maxima;
-#pragma unroll 4
-  for (int i = threadIdx.x; i < maxima; i += blockDim.x) keys[i] = OrderedBits(__ldg(row_max + i));
-  if (threadIdx.x == 0) sh.num_cand = 0, sh.num_best = 0, sh.num_items = 0;
-  __syncthreads();
-
-  // The threshold: the k-th largest lane maximum when there are k of them, raised to the list's
-  // worst entry when the list is full (a value below it cannot enter).
-  const uint32_t ninf = OrderedBits(detail::NegInfF());
-  uint32_t threshold = 0;
-  if (maxima >= k) {
-    uint64_t prefix;
-    int shift;
-    // The top 16 bits only (two passes): exact for 16-bit inputs, whose values have no more, and a
-    // slightly lower threshold (a few more candidates) for fp32.
-    RadixSelect(
-        maxima, k, 24, 16, /*stop_early=*/false,
-        [&](int i) { return static_cast<uint64_t>(keys[i]); }, &sh.radix, &prefix, &shift);
-    threshold = static_cast<uint32_t>(prefix);
-  }
-  if (count == k) threshold = max(threshold, OrderedBits(global_list[k - 1].value));
-  threshold = max(threshold, ninf + 1);  // masked tokens are never candidates
+  const uint32_t threshold =
+      RowThreshold(lane_max + row * maxima, maxima, k, count, global_list, keys, &sh);
 
   // 2. The lanes that reach the threshold offer their 64 values (TransformOne: the operations of
-  // TransformInPlace, so the same bits). First a list of those lanes, then, for a small k, a warp
-  // per lane, four lanes in flight: thread t loads values 2 (t % 4) and 2 (t % 4) + 1 of the lane's
-  // chunk t / 4 and the warp appends its hits with one atomic (a thread per lane left 9.8 of 32
-  // threads active and took 0.47 ms for k = 64; a warp per lane, one at a time, 0.26 ms; this
-  // form 0.19 ms). For a large k (kWideLoads) that form's 4-byte loads, k / 16 dependent rounds a
-  // row, made the k = 1024 selection 11x the statistics; there every (lane, chunk) pair of the list
-  // is one 16-byte load of 8 values, four outstanding a thread (356 -> 295 us a 1024-row tile,
-  // bf16, H200). It costs 80 registers instead of 40, which for k = 64 left 1024 rows 1.3 waves
-  // instead of one (33 -> 45 us): each k gets its own form.
+  // TransformInPlace, so the same bits). First a list of those lanes, then a warp per lane, four
+  // lanes in flight: thread t loads values 2 (t % 4) and 2 (t % 4) + 1 of the lane's chunk t / 4
+  // and the warp appends its hits with one atomic (a thread per lane left 9.8 of 32 threads
+  // active and took 0.47 ms for k = 64; a warp per lane, one at a time, 0.26 ms; this form 0.19
+  // ms).
   const int warp = threadIdx.x >> 5;
   const int t = threadIdx.x & 31;
   const unsigned below = (1u << t) - 1;
@@ -330,130 +228,57 @@ __global__ void __launch_bounds__(kSelectThreads)
     if (threadIdx.x == 0) counts[row] = -(count + 1);  // left to the fallback
     return;
   }
-  if constexpr (kWideLoads) {
-    // Values compare as floats against T's value: the same test as their keys against T's for
-    // every value but NaN (a row with a NaN fails anyway), one instruction instead of the key's
-    // five, twice a value (Nsight Compute: this loop was ~40 % of the k = 1024 selection's
-    // instructions, H200).
-    const float tf = detail::ValueOfOrderedBits(threshold);
-    constexpr int kInFlight = 4;
-    const int pieces = num_items * detail::kLaneChunks;
-    for (int p0 = 0; p0 < pieces; p0 += kSelectThreads * kInFlight) {  // uniform bounds
-      float v[kInFlight][8];
-      int64_t c[kInFlight];
+  constexpr int kLanesInFlight = 4;
+  for (int i0 = warp * kLanesInFlight; i0 < num_items; i0 += kSelectThreads / 32 * kLanesInFlight) {
+    float z[kLanesInFlight][2];
+    int64_t c[kLanesInFlight];
 #pragma unroll
-      for (int q = 0; q < kInFlight; ++q) {
-        const int p = p0 + q * kSelectThreads + static_cast<int>(threadIdx.x);
-        c[q] = 0;
-        if (p < pieces) {
-          const int item = items[p / detail::kLaneChunks];
-          c[q] = detail::LaneChunkColumn(item, p % detail::kLaneChunks);
-          detail::Load8(a, row, c[q], v[q]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[q][e] = detail::NegInfF();
-        }
-      }
-      int hits = 0;
-#pragma unroll
-      for (int q = 0; q < kInFlight; ++q) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) hits += v[q][e] >= tf ? 1 : 0;
-      }
-      // The warp's hits before this thread's (inclusive scan), then one atomic by the last lane.
-      const int incl = detail::WarpInclusiveSum(hits, t);
-      int base = 0;
-      if (t == 31 && incl != 0) base = atomicAdd(&sh.num_cand, incl);
-      int i = __shfl_sync(detail::kFullMask, base, 31) + incl - hits;
-#pragma unroll
-      for (int q = 0; q < kInFlight; ++q) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (v[q][e] >= tf) {
-            if (i < cap) cand[i] = TopKEntry{v[q][e], static_cast<int32_t>(col0 + c[q] + e)};
-            ++i;
-          }
-        }
+    for (int q = 0; q < kLanesInFlight; ++q) {
+      c[q] = 0;
+      z[q][0] = z[q][1] = detail::NegInfF();
+      if (i0 + q < num_items) {  // uniform over the warp
+        const int item = items[i0 + q];
+        c[q] = detail::LaneChunkColumn(item, t >> 2) + (t & 3) * 2;
+        z[q][0] = detail::LoadOne(a, row, c[q]);
+        z[q][1] = detail::LoadOne(a, row, c[q] + 1);
       }
     }
-  } else {
-    constexpr int kLanesInFlight = 4;
-    for (int i0 = warp * kLanesInFlight; i0 < num_items;
-         i0 += kSelectThreads / 32 * kLanesInFlight) {
-      float z[kLanesInFlight][2];
-      int64_t c[kLanesInFlight];
+    unsigned h[kLanesInFlight][2];
+    int total = 0;
 #pragma unroll
-      for (int q = 0; q < kLanesInFlight; ++q) {
-        c[q] = 0;
-        z[q][0] = z[q][1] = detail::NegInfF();
-        if (i0 + q < num_items) {  // uniform over the warp
-          const int item = items[i0 + q];
-          c[q] = detail::LaneChunkColumn(item, t >> 2) + (t & 3) * 2;
-          z[q][0] = detail::LoadOne(a, row, c[q]);
-          z[q][1] = detail::LoadOne(a, row, c[q] + 1);
-        }
+    for (int q = 0; q < kLanesInFlight; ++q) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        h[q][e] = __ballot_sync(detail::kFullMask, OrderedBits(z[q][e]) >= threshold);
+        total += __popc(h[q][e]);
       }
-      unsigned h[kLanesInFlight][2];
-      int total = 0;
+    }
+    int base = 0;
+    if (t == 0 && total != 0) base = atomicAdd(&sh.num_cand, total);
+    base = __shfl_sync(detail::kFullMask, base, 0);
 #pragma unroll
-      for (int q = 0; q < kLanesInFlight; ++q) {
+    for (int q = 0; q < kLanesInFlight; ++q) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          h[q][e] = __ballot_sync(detail::kFullMask, OrderedBits(z[q][e]) >= threshold);
-          total += __popc(h[q][e]);
+      for (int e = 0; e < 2; ++e) {
+        const int i = base + __popc(h[q][e] & below);
+        if (((h[q][e] >> t) & 1) && i < cap) {
+          cand[i] = TopKEntry{z[q][e], static_cast<int32_t>(col0 + c[q] + e)};
         }
-      }
-      int base = 0;
-      if (t == 0 && total != 0) base = atomicAdd(&sh.num_cand, total);
-      base = __shfl_sync(detail::kFullMask, base, 0);
-#pragma unroll
-      for (int q = 0; q < kLanesInFlight; ++q) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = base + __popc(h[q][e] & below);
-          if (((h[q][e] >> t) & 1) && i < cap) {
-            cand[i] = TopKEntry{z[q][e], static_cast<int32_t>(col0 + c[q] + e)};
-          }
-          base += __popc(h[q][e]);
-        }
+        base += __popc(h[q][e]);
       }
     }
   }
   __syncthreads();
-  const int fresh = sh.num_cand;
-  // (A NaN ranks by its bits here; such a row fails anyway, and nothing overflows or hangs.)
-  if (fresh + count > cap || fresh + count < k) {
-    if (threadIdx.x == 0) counts[row] = -(count + 1);  // left to the fallback
-    return;
-  }
-  for (int i = threadIdx.x; i < count; i += blockDim.x) cand[fresh + i] = global_list[i];
-  __syncthreads();
+  int n = 0;
+  if (!JoinRunningList(sh.num_cand, count, k, cap, global_list, cand, &counts[row], &n)) return;
 
-  // 3. The k best of candidates and list, in order. Few candidates: each one's place is the number
-  // of keys above it (keys are distinct), which selects and sorts at once. Many: a radix select of
-  // the k best, then a bitonic sort.
-  const int n = fresh + count;
+  // 3. The k best of candidates and list, in order: ranked by counting, or the radix select and
+  // a bitonic sort.
   if (n <= kRankByCount) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const TopKEntry e = cand[i];
-      const uint64_t key = KeyOf(e);
-      int place = 0;
-      for (int j = 0; j < n; ++j) place += KeyOf(cand[j]) > key ? 1 : 0;
-      if (place < k) best[place] = e;
-    }
-    __syncthreads();
+    RankByCount(cand, n, k, best);
   } else {
-    uint64_t prefix;
-    int shift;
-    RadixSelect(
-        n, k, 56, 0, /*stop_early=*/true, [&](int i) { return KeyOf(cand[i]); }, &sh.radix, &prefix,
-        &shift);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const TopKEntry e = cand[i];
-      if ((KeyOf(e) >> shift) >= (prefix >> shift)) best[atomicAdd(&sh.num_best, 1)] = e;
-    }
     for (int i = k + threadIdx.x; i < padded; i += blockDim.x) best[i] = Sentinel();
-    __syncthreads();
+    SelectBest(cand, n, k, &sh.radix, &sh.num_best, best);
     BitonicSortBestFirst(best, padded);
   }
   for (int i = threadIdx.x; i < k; i += blockDim.x) global_list[i] = best[i];
@@ -582,15 +407,16 @@ cudaError_t LaunchSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEnt
     const cudaError_t err = detail::LaunchWarpSelect(
         a, rows, lane_max, LaneAux(lane_max, rows, blocks), k, lists, counts, stream);
     if (err != cudaSuccess) return err;
+  } else if (k > kNarrowLoadsMaxK) {
+    const cudaError_t err = detail::LaunchWideSelect(a, rows, lane_max, k, lists, counts, stream);
+    if (err != cudaSuccess) return err;
   } else {
-    const size_t smem = SelectSharedBytes(blocks, k);
-    auto* kernel = k > kNarrowLoadsMaxK ? TopKSelectKernel<true> : TopKSelectKernel<false>;
     const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaFuncSetAttribute(TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kMaxTopK)));
     if (err != cudaSuccess) return err;
-    kernel<<<grid, kSelectThreads, smem, stream>>>(da, a.col0, blocks, lane_max, k, CandidateCap(k),
-                                                   lists, counts);
+    TopKSelectKernel<<<grid, kSelectThreads, SelectSharedBytes(blocks, k), stream>>>(
+        da, a.col0, blocks, lane_max, k, CandidateCap(k), lists, counts);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -544,17 +544,19 @@ TEST_F(CudaKernels, OneReadTopKMatchesCpuOnEveryPath) {
   }
 }
 
-// The warp-per-row selection (topk_kernel.cu, k <= 64, 8 to 80 blocks) on a vocabulary of
-// Qwen's size (75 blocks: the variant holding 80 lane maxima a thread) and on a split into 41 + 34
-// blocks (the 34-block part is offered to full lists): rows of normal logits with and without a
-// temperature, a row with heavy ties at the top (81 distinct values: candidates overflow, so the
-// fallback serves it), a row whose only finite values are 41 (fewer than k = 64), and a row with
+// The warp-per-row selection (topk_kernel.cu, k <= 64, 8 to 80 blocks) and the wide CTA selection
+// (k = 256, 1024) on a vocabulary of Qwen's size (75 blocks: the warp variant holding 80 lane
+// maxima a thread) and on a split into 41 + 34 blocks (the 34-block part is offered to full
+// lists): rows of normal logits with and without a temperature, a row with heavy ties at the top
+// (81 distinct values: for k <= 64 candidates overflow, so the fallback serves it; for k = 1024
+// the ties at the k-th value are ranked by id), a row whose only finite values are 41 (fewer than
+// k), and a row with
 // 256 large values in its first block, 8 a lane (every top-k member in one block), a row whose
 // 103 finite values lie in one block (every other lane maximum -inf: the threshold search counts
 // all the keys), and a row whose largest values are zeros of both signs, each its lane's maximum
 // (such a lane is always loaded again, so each zero keeps its sign bit). Lists equal the CPU's bit
 // for bit.
-TEST_F(CudaKernels, WarpTopKMatchesCpuOnLongRows) {
+TEST_F(CudaKernels, SelectionTopKMatchesCpuOnLongRows) {
   constexpr int64_t kLongV = 151936;
   constexpr int64_t kLongRows = 7;
   constexpr int64_t kSplit = 41 * 2048;
@@ -586,7 +588,7 @@ TEST_F(CudaKernels, WarpTopKMatchesCpuOnLongRows) {
         s.transform.temperature = temperature;
         return s;
       };
-      for (int32_t top : {1, 7, 64}) {
+      for (int32_t top : {1, 7, 64, 256, 1024}) {
         SCOPED_TRACE("dtype " + std::to_string(static_cast<int>(t)) + ", temperature " +
                      std::to_string(temperature) + ", k = " + std::to_string(top));
         DeviceArray<k::TopKEntry> lists(kLongRows * top), lists2(kLongRows * top);
