@@ -32,7 +32,6 @@
 // served a row, on the order blocks are seen in, or on the shard layout.
 #include <algorithm>
 #include <climits>
-#include <cub/block/block_merge_sort.cuh>
 #include <type_traits>
 
 #include "kernels/cuda/block_items.cuh"
