@@ -138,6 +138,11 @@ class RankWorker final : public ShardedRank {
   absl::Status Run();
 
  private:
+  // Whether a tile of `rows` rows takes whole rows as its work items (each row's blocks in order
+  // on one thread): when the rows go round the threads twice at least. A shorter tile (a short
+  // request) takes items of one block, which spread its blocks over the threads.
+  bool RowsGoRound(int64_t rows) const { return rows >= 2 * static_cast<int64_t>(ctx_.threads); }
+
   static int64_t MaxBlocks(const std::vector<ShardRange>& layout) {
     int64_t m = 0;
     for (const auto& s : layout)
@@ -248,10 +253,10 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
 
   const int64_t k_top = job_.top_k;
   const int64_t shard_width = shard_.end - shard_.begin;
-  // Logits mode goes row by row (below) when the rows go round the threads, twice at least; a
-  // shorter tile (a short request) takes the hidden-mode items, whose blocks spread over them.
+  // Logits mode goes row by row (below) when the rows go round the threads; a shorter tile takes
+  // the hidden-mode items.
   const bool by_rows = !job_.model.hidden_mode() && !(with_ref_ && job_.reference.hidden_mode()) &&
-                       rows >= 2 * static_cast<int64_t>(ctx_.threads);
+                       RowsGoRound(rows);
   // Per-block top-k lists, merged per row after the parallel loop. (Row by row, a row's blocks,
   // in order on one thread, go straight to the row's list.)
   const bool block_lists = k_top > 0 && !by_rows;
@@ -472,10 +477,9 @@ absl::Status RankWorker::JsdTile(int64_t row0, int64_t rows) {
   const int64_t shard_width = shard_.end - shard_.begin;
   std::fill(partial_.begin(), partial_.end(), 0.0f);
   // Items (row, block), a row's blocks consecutive (ComputeTile's logits-mode order); a chunk is
-  // a whole row when the rows go round the threads twice, else one block (a short tile's blocks
-  // spread over the threads). Hidden mode reads the logits it kept, logits mode the request's
-  // (no GEMM either way).
-  const int64_t chunk = rows >= 2 * static_cast<int64_t>(ctx_.threads) ? num_blocks_ : 1;
+  // a whole row when the rows go round the threads, else one block. Hidden mode reads the logits
+  // it kept, logits mode the request's (no GEMM either way).
+  const int64_t chunk = RowsGoRound(rows) ? num_blocks_ : 1;
 #pragma omp parallel num_threads(ctx_.threads)
   {
     ItemBuffers& buf = ItemBuffers::OfThisThread(/*pair=*/true);
