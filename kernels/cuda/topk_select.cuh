@@ -1,7 +1,7 @@
 // The CTA-per-row top-k selections' shared parts (private to kernels/cuda): topk_kernel.cu's
 // TopKSelectKernel and topk_wide_select.cu's TopKSelectWideKernel run steps 2-3 of topk_kernel.cu
-// with the same threshold, the same candidate test and the same exact selection of the k best, so
-// both give the unique top-k of Better.
+// with the same threshold, the same candidates (every value >= it) and the same exact selection of
+// the k best, so both give the unique top-k of Better.
 #pragma once
 
 #include <climits>
