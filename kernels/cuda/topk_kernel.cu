@@ -43,7 +43,6 @@ namespace {
 
 using detail::DeviceSource;
 using detail::JoinRunningList;
-using detail::kMaxCandidates;
 using detail::kMaxSelectBlocks;
 using detail::kRankByCount;
 using detail::OrderedBits;
@@ -56,11 +55,14 @@ using detail::Sentinel;
 
 // Threads of the selection CTA (one CTA per row).
 constexpr int kSelectThreads = 128;
-int CandidateCap(int32_t k) { return k <= 64 ? 512 : (k <= 256 ? 1024 : kMaxCandidates); }
+// The largest k TopKSelectKernel serves (it loads the listed lanes a warp per lane); larger ones go
+// to TopKSelectWideKernel.
+constexpr int32_t kNarrowLoadsMaxK = 128;
+// Candidates TopKSelectKernel's row may hold (k <= kNarrowLoadsMaxK: at most a quarter of
+// kMaxCandidates).
+int CandidateCap(int32_t k) { return k <= 64 ? 512 : 1024; }
 // Lanes reaching the threshold a row may list (about k; more only with ties at T).
 constexpr int kMaxItems = 2048;
-// The largest k whose selection loads the listed lanes a warp per lane (TopKSelectKernel, step 2).
-constexpr int32_t kNarrowLoadsMaxK = 128;
 
 // Number of entries of sorted list[0, n) that are Better than x.
 __device__ __forceinline__ int CountBetter(const TopKEntry* list, int n, const TopKEntry& x) {
@@ -410,9 +412,9 @@ cudaError_t LaunchSelect(const LogitsSource& a, int64_t rows, int32_t k, TopKEnt
     const cudaError_t err = detail::LaunchWideSelect(a, rows, lane_max, k, lists, counts, stream);
     if (err != cudaSuccess) return err;
   } else {
-    const cudaError_t err =
-        cudaFuncSetAttribute(TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kMaxTopK)));
+    const cudaError_t err = cudaFuncSetAttribute(
+        TopKSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(SelectSharedBytes(kMaxSelectBlocks, kNarrowLoadsMaxK)));
     if (err != cudaSuccess) return err;
     TopKSelectKernel<<<grid, kSelectThreads, SelectSharedBytes(blocks, k), stream>>>(
         da, a.col0, blocks, lane_max, k, CandidateCap(k), lists, counts);

@@ -145,37 +145,6 @@ __device__ __forceinline__ void Load8If(bool live, const DeviceSource& a, int64_
   }
 }
 
-// Candidates of 8 loaded values each (v[q], columns c[q] .. c[q] + 7 of the source) that reach
-// tf, appended to cand[0, cap) behind sh->num_cand: the warp's hits before this thread's by an
-// inclusive scan, then one shared atomic by the last lane. Every lane of the warp calls it.
-template <int kInFlight>
-__device__ __forceinline__ void AppendCandidates(const float (&v)[kInFlight][8],
-                                                 const int64_t (&c)[kInFlight], int64_t col0,
-                                                 float tf, int cap, TopKEntry* cand,
-                                                 int* num_cand) {
-  const int t = threadIdx.x & 31;
-  int hits = 0;
-#pragma unroll
-  for (int q = 0; q < kInFlight; ++q) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) hits += v[q][e] >= tf ? 1 : 0;
-  }
-  const int incl = WarpInclusiveSum(hits, t);
-  int base = 0;
-  if (t == 31 && incl != 0) base = atomicAdd(num_cand, incl);
-  int i = __shfl_sync(kFullMask, base, 31) + incl - hits;
-#pragma unroll
-  for (int q = 0; q < kInFlight; ++q) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      if (v[q][e] >= tf) {
-        if (i < cap) cand[i] = TopKEntry{v[q][e], static_cast<int32_t>(col0 + c[q] + e)};
-        ++i;
-      }
-    }
-  }
-}
-
 // After step 2 (and a barrier): whether the row's `fresh` candidates and the `count` entries of its
 // running list fit in cand[0, cap) and number at least k. If they do, the list's entries join the
 // candidates (then a barrier) and *n is their number; if not (heavy ties at T, or a mostly masked
