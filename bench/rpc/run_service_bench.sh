@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Service benchmarks against a fresh local server (docs/PERFORMANCE.md, "Service benchmarks"):
+# Service benchmarks against a fresh local server (docs/performance-history.md, "Service
+# benchmarks"):
 #   1. RPC overhead: logitserve-rpc-bench (Score vs a raw gRPC transfer of the same bytes);
 #   2. batching off vs on: logitserve-bench, 32 concurrent small clients, one server per setting.
 #

@@ -6,7 +6,7 @@
 // block is freed, up to 32 MiB) and trims the heap whenever 128 KiB or more is free at its top,
 // so every multi-MiB request faults all its pages in again. Measured on the 2-core build machine
 // (an in-process gRPC echo of one message): 2 MiB 2.7-3.3 ms -> 0.9 ms, 8 MiB 9.6-15 ms ->
-// 3.6-4.9 ms, page faults 329 K -> 36 K over the same calls (docs/PERFORMANCE.md).
+// 3.6-4.9 ms, page faults 329 K -> 36 K over the same calls (docs/performance-history.md).
 //
 // Cost: the heap keeps up to 1 GiB of freed memory (RSS stays near its high-water mark).
 // Libraries must not call this (it changes the whole process); programs call it first in main.

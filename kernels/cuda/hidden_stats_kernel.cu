@@ -18,7 +18,7 @@
 // weight tile into every CTA of the cluster that needs it, so L2 delivers each byte once per
 // cluster. The producer also prefetches into L2 the tiles kPrefetchSteps steps ahead.
 //
-// Speed (H200, docs/PERFORMANCE.md): CudaBackend's default for heads of H <= 1024
+// Speed (H200, docs/performance-history.md): CudaBackend's default for heads of H <= 1024
 // (CudaBackendOptions::hidden_fused_max_hidden), where it beats cuBLASLt tiles + the statistics
 // kernel; at larger H the tiles win. Nsight Compute at H 1024: the tensor pipe is busy about half
 // the time; the consumers spend ~38 % of their time in the epilogue (which does not overlap the

@@ -23,7 +23,7 @@
 // Step 2-3 alone is latency-bound (for 8192 rows, k = 64: about 0.2 ms with this CTA per row, 0.1
 // ms with the warp per row): the CUDA backend runs it for row tile t beside step 1 of tile t + 1
 // (LaunchTopKLaneMax / LaunchTopKSelect, two streams), which hides part of it (H200:
-// docs/PERFORMANCE.md).
+// docs/performance-history.md).
 //
 // Rows the threshold cannot serve go to the previous kernel, kept below as the exact fallback,
 // flagged by a negative count: candidates overflowing the buffer (heavy ties at T), or fewer than k

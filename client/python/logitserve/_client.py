@@ -266,13 +266,13 @@ class Client:
                      a Score call that carries no tensor bytes (every row tensor a SharedTensor;
                      each chunk of one split by the server's limits too) goes as one message of
                      a ScoreStream kept open between calls instead of a unary Score (less fixed
-                     cost per call; docs/PERFORMANCE.md, "Python session streams"): one stream per
-                     concurrent caller thread, at most session_streams (8) kept open while idle;
-                     0 = always unary. Each call keeps its own deadline (`timeout`; past it:
-                     DeadlineExceeded, and that stream is discarded; the server may still run
-                     the request), a request's own error is raised as the unary call raises it,
-                     and a stream that fails is dropped and the call goes unary (with its
-                     retries). Results are those of unary calls, bit for bit. See
+                     cost per call; docs/performance-history.md, "Python session streams"): one
+                     stream per concurrent caller thread, at most session_streams (8) kept open
+                     while idle; 0 = always unary. Each call keeps its own deadline
+                     (`timeout`; past it: DeadlineExceeded, and that stream is discarded; the
+                     server may still run the request), a request's own error is raised as the
+                     unary call raises it, and a stream that fails is dropped and the call goes
+                     unary (with its retries). Results are those of unary calls, bit for bit. See
                      logitserve/_session.py.
       shm_channels   such a call goes first over a shared-memory call channel when the server is
                      on this host (it reads the request from, and answers into, a region both

@@ -8,8 +8,8 @@ served by fresh mmap()s, or from heap memory that free() has just trimmed back t
 every call faults every page in again: the kernel zeroes each 4 KiB page on its first touch, and
 grpcio's copy does so while it holds the GIL. Measured on the 2-core build machine (CPU backend,
 4 MiB chunks, 4096-dim bf16 rows): 3.5 K-12.6 K page faults and 1.4-2.4 ms of client CPU per MiB
-sent, against 2-340 faults and 0.8-0.95 ms/MiB with the settings below (docs/PERFORMANCE.md,
-"The Python client's CPU per byte").
+sent, against 2-340 faults and 0.8-0.95 ms/MiB with the settings below
+(docs/performance-history.md, "The Python client's CPU per byte").
 
 keep_large_allocations() fixes glibc's two thresholds instead of letting them float:
   M_MMAP_THRESHOLD = 32 MiB  blocks below it come from the heap, not from a fresh mmap. 32 MiB is

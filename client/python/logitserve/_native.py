@@ -3,10 +3,10 @@ and without the GIL (issue 12; client/python/native/native_call.h says why and h
 
 grpcio copies each request message into a slice while it holds the GIL, after this package's own
 copy of the arrays into the message's bytes, which caps one Python process at about 300 K bf16
-H 4096 rows a second on the H200 host (docs/PERFORMANCE.md, "The wire"). The library here is a
-small C ABI over gRPC C++: a call's message is a list of buffers (the encoded ScoreRequest
-prefix and each row array as it is), sent in place, and every call into it releases the GIL
-(ctypes does), so the client's sender threads really run in parallel.
+H 4096 rows a second on the H200 host (docs/PERFORMANCE.md, "the Python client's native send
+path"). The library here is a small C ABI over gRPC C++: a call's message is a list of buffers
+(the encoded ScoreRequest prefix and each row array as it is), sent in place, and every call into
+it releases the GIL (ctypes does), so the client's sender threads really run in parallel.
 
 It is optional. Client and AsyncClient use it for Score calls that carry array bytes (unary, and
 every chunk of a pipelined call) when it loads: the wheel the build makes ships it

@@ -10,11 +10,12 @@ iterator on a thread of its own and delivers answers from the channel's polling 
 request is handed between threads (each time taking the GIL) three times: caller -> iterator thread,
 polling thread -> iterator thread (write done), polling thread -> caller (answer). Measured on the
 2-core build box against the real server, that made a streamed call cost more client CPU than a
-unary one (docs/PERFORMANCE.md, "Python session streams"). A SessionStream is what grpcio's own
-blocking unary call is made of: a call with a completion queue of its own (`segregated_call`),
-written to and polled by the calling thread alone, so a request and its answer never leave that
-thread. Those are grpcio internals (`grpc._cython.cygrpc`); `supported()` checks that they are
-there, and without them (or when a stream cannot be started) Client simply stays unary.
+unary one (docs/performance-history.md, "Python session streams"). A SessionStream is what
+grpcio's own blocking unary call is made of: a call with a completion queue of its own
+(`segregated_call`), written to and polled by the calling thread alone, so a request and its
+answer never leave that thread. Those are grpcio internals (`grpc._cython.cygrpc`);
+`supported()` checks that they are there, and without them (or when a stream cannot be started)
+Client simply stays unary.
 
 Deadline: the stream has none; each call has its own. grpcio's completion queue cannot be
 polled with a timeout, so a per-client watchdog thread (`Deadlines`) cancels the stream of a call

@@ -104,8 +104,8 @@ struct CudaBackendOptions {
   // 168 x 128 tiles, row tile 2048; two chunks a slot with one slot (hidden_slots) is the
   // default: the same 64 MB a distribution as one chunk in each of two slots, and fewer, larger
   // GEMMs and statistics launches taking turns (H200, H 2048: 16.70 / 16.75 ms against 17.37 /
-  // 17.49; H 4096 32.33 / 32.51 against 32.62 / 33.12; docs/PERFORMANCE.md). Never changes a
-  // result (the statistics are per block).
+  // 17.49; H 4096 32.33 / 32.51 against 32.62 / 33.12; docs/performance-history.md). Never changes
+  // a result (the statistics are per block).
   int hidden_stats_chunks = 2;
   // Hidden mode with overlap_hidden_gemms, both distributions' hidden states: 2 = the reference
   // distribution's GEMMs on a stream of their own, beside the policy's, so that each chunk's two
@@ -150,7 +150,7 @@ struct CudaBackendOptions {
   // not bit for bit, and each is batch-, layout- and dtype-invariant on its own. Off by default
   // for large heads: correct (every GPU suite passes on it) but slower there, H200, N 8192,
   // V 151936 pair: H 4096 43.5 ms (2x2 clusters) against 32.1 ms for the tiles, bound by L2
-  // bandwidth (ncu: L2 98 %, tensor pipe 44 %); docs/PERFORMANCE.md has the measurements.
+  // bandwidth (ncu: L2 98 %, tensor pipe 44 %); docs/performance-history.md has the measurements.
   bool hidden_fused = false;
   // ... and without hidden_fused, for every all-hidden job whose heads' hidden sizes are all at
   // most this (0: never): short GEMMs, where the tiles' cost is per tile rather than per FLOP.
