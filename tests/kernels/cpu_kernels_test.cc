@@ -5,6 +5,7 @@
 // Also CpuSplitToBf16 (the CPU backend's bf16 GEMM operands) against exact fp64 sums.
 #include "logitserve/kernels/cpu_kernels.h"
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -172,6 +173,93 @@ TEST(CpuSplitToBf16, NonFiniteValuesStayInTheFirstPart) {
     EXPECT_EQ(s.lo[i], 0u);
   }
   EXPECT_EQ(s.nonzero, 1u);
+}
+
+// The parts the contract gives one fp32 value (cpu_kernels.h), in fp64 arithmetic: hi its top 16
+// bits, mid the top 16 bits of the (exact) rest, lo the top 16 bits of what is left; a NaN gives
+// hi 0x7fc0 and +-inf its own bits, both with zero mid and lo.
+std::array<uint16_t, 3> ContractParts(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7f800000u) == 0x7f800000u) {
+    return {static_cast<uint16_t>((u & 0x007fffffu) != 0 ? 0x7fc0u : u >> 16), 0, 0};
+  }
+  auto top16 = [](double v) {
+    const float f = static_cast<float>(v);  // exact: at most 16 significant bits remain
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof(b));
+    return static_cast<uint16_t>(b >> 16);
+  };
+  const uint16_t hi = static_cast<uint16_t>(u >> 16);
+  const double r1 = static_cast<double>(x) - Bf16Value(hi);
+  const uint16_t mid = top16(r1);
+  const double r2 = r1 - Bf16Value(mid);
+  return {hi, mid, top16(r2)};
+}
+
+// Every element of a long input (the vector body and a scalar tail) split as the contract says,
+// non-finite values, signed zeros and subnormals included, from each source type; the mask says
+// which parts hold a non-zero value.
+TEST(CpuSplitToBf16, EveryElementAsTheContractSaysInLongInputs) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::uniform_int_distribution<int> pick(0, 19);
+  const int n = 10007;  // not a multiple of any vector width
+  std::vector<float> x(n);
+  for (float& v : x) {
+    switch (pick(rng)) {
+      case 0:
+        v = std::numeric_limits<float>::infinity();
+        break;
+      case 1:
+        v = -std::numeric_limits<float>::infinity();
+        break;
+      case 2:
+        v = std::numeric_limits<float>::quiet_NaN();
+        break;
+      case 3:
+        v = -std::numeric_limits<float>::quiet_NaN();
+        break;
+      case 4:
+        v = -0.0f;
+        break;
+      case 5:
+        v = std::numeric_limits<float>::denorm_min() * 3.0f;
+        break;
+      default:
+        v = normal(rng);
+        break;
+    }
+  }
+  std::vector<uint16_t> bf(n), half(n);
+  std::vector<float> bf_values(n), half_values(n);
+  for (int i = 0; i < n; ++i) {
+    bf[i] = FloatToBFloat16(x[i]);
+    half[i] = FloatToFloat16(x[i]);
+    bf_values[i] = BFloat16ToFloat(bf[i]);
+    half_values[i] = Float16ToFloat(half[i]);
+  }
+  const struct {
+    FloatType type;
+    const void* src;
+    const std::vector<float>* values;
+  } cases[] = {{FloatType::kFloat32, x.data(), &x},
+               {FloatType::kBFloat16, bf.data(), &bf_values},
+               {FloatType::kFloat16, half.data(), &half_values}};
+  for (const auto& c : cases) {
+    const Split s = SplitOf(c.type, c.src, n);
+    uint32_t nonzero = 0;
+    for (int i = 0; i < n; ++i) {
+      const std::array<uint16_t, 3> want = ContractParts((*c.values)[i]);
+      ASSERT_EQ(s.hi[i], want[0]) << "type " << static_cast<int>(c.type) << ", element " << i;
+      ASSERT_EQ(s.mid[i], want[1]) << "type " << static_cast<int>(c.type) << ", element " << i;
+      ASSERT_EQ(s.lo[i], want[2]) << "type " << static_cast<int>(c.type) << ", element " << i;
+      for (int p = 0; p < 3; ++p) {
+        if (want[p] & 0x7fffu) nonzero |= 1u << p;
+      }
+    }
+    EXPECT_EQ(s.nonzero, nonzero) << "type " << static_cast<int>(c.type);
+  }
 }
 
 // An all-zero input (either sign) has no non-zero part: the backend's GEMM skips all of them.
