@@ -15,7 +15,7 @@
 // Hidden mode (SPEC §9: <= 1.10x the bare oneDNN GEMM of the same shape, that GEMM at >= 80 % of
 // the CPU's FMA peak): bf16 hidden states [N, H] and a bf16 head [V, H]; the backend scores
 // logprobs + entropy, and policy + reference (two heads) logprobs + both entropies + forward KL.
-// Floor: one oneDNN matmul [N, H] x [H, V] per head, all threads, in the precision the backend
+// Floor: one oneDNN matmul [N, H] x [H, V] per head, on --threads, in the precision the backend
 // runs (bf16 where oneDNN has native bf16 matmuls, else fp32; --gemm fp32 forces fp32 for both);
 // the FMA peak is measured by independent FMA (fp32) / bf16 dot-product (vdpbf16ps) chains.
 #include <omp.h>
@@ -196,7 +196,8 @@ double PeakGflops(int threads, double flops_per_step, Chains chains) {
   return best;
 }
 
-// Best ms of one oneDNN matmul [m, k] x [k, n] -> fp32 (weights pre-packed), all threads.
+// Best ms of one oneDNN matmul [m, k] x [k, n] -> fp32 (weights pre-packed), on the default
+// team (main sets it to --threads).
 double BareGemmMs(bool bf16, int64_t m, int64_t k, int64_t n, int iters) {
   using dnnl::memory;
   const auto in = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
@@ -449,6 +450,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "also write results as JSON");
   CLI11_PARSE(app, argc, argv);
   if (threads <= 0) threads = omp_get_num_procs();
+  omp_set_num_threads(threads);  // the bare GEMMs' oneDNN teams: the backend's thread count
   nlohmann::json out;
   int wrong = 0;
   if (!no_logits) {
