@@ -3,10 +3,17 @@
 // against the fp64 reference, and the bf16 form's claim that leaving out a part that is zero
 // throughout a row tile changes no bit: a row's bits do not depend on the parts its tile
 // companions need.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -21,9 +28,9 @@ namespace {
 constexpr int64_t kHidden = 96;
 constexpr int64_t kVocab = 5000;  // two full blocks and a short one
 
-std::unique_ptr<Backend> MakeBackend(CpuGemm gemm, int shards = 1) {
+std::unique_ptr<Backend> MakeBackend(CpuGemm gemm, int shards = 1, int threads = 2) {
   CpuBackendOptions o;
-  o.threads = 2;
+  o.threads = threads;
   o.shards = shards;
   o.gemm = gemm;
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateCpuBackend(o);
@@ -125,6 +132,55 @@ TEST(CpuGemm, Bf16RowBitsDoNotDependOnTheTilesParts) {
     LOGITSERVE_ASSERT_SCORE(z, *backend, zero.job);
     ExpectRowBitwiseEqual(all, 40, z, 0, 1, 3);
     ExpectMatchesReference(zero.job, z);  // logits = the bias alone
+  }
+}
+
+// The threads of this process now (Linux: one entry per thread in /proc/self/task).
+int ThreadsNow() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// A backend given one thread computes on one thread: no thread is started during its jobs (its
+// GEMMs' oneDNN regions used to start a team of every core for each GEMM when the backend's own
+// regions had one thread), and the caller's default OpenMP team size is its own again after.
+TEST(CpuGemm, OneThreadBackendStartsNoThreads) {
+  if (omp_get_num_procs() < 2) GTEST_SKIP() << "one core: a team of every core is one thread";
+  for (int shards : {1, 2}) {  // two shards of one thread each: a rank thread, one thread a rank
+    SCOPED_TRACE(std::to_string(shards) + " shards");
+    std::unique_ptr<Backend> backend = MakeBackend(CpuGemm::kAuto, shards, /*threads=*/shards);
+    ASSERT_NE(backend, nullptr);
+    std::mt19937_64 rng(5);
+    auto head = Prepare(*backend, RandomHead(rng, kVocab, kHidden, FloatType::kBFloat16,
+                                             3.0 / std::sqrt(static_cast<double>(kHidden)), false,
+                                             HeadTransform{}));
+    ASSERT_NE(head, nullptr);
+    const int64_t n = 2 * kGemmRows;
+    OwnedJob j;
+    j.SetModelHidden(
+        head, Share(Encode(FloatType::kBFloat16, n, kHidden, RandomNormal(rng, n * kHidden, 1.0))));
+    j.WithTargets(RandomTargets(rng, n, 1, kVocab, -100, 0.0), 1).WithEntropy();
+    const int team_before = omp_get_max_threads();
+    std::atomic<bool> stop{false};
+    std::atomic<int> most{0};
+    std::thread sampler([&] {
+      while (!stop.load()) {
+        most.store(std::max(most.load(), ThreadsNow()));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    });
+    while (most.load() == 0) std::this_thread::yield();
+    const int before = ThreadsNow();  // this thread, the sampler, and whatever ran earlier
+    for (int i = 0; i < 5; ++i) {
+      LOGITSERVE_ASSERT_SCORE(got, *backend, j.job);
+      ExpectMatchesReference(j.job, got);
+    }
+    stop.store(true);
+    sampler.join();
+    // Each shard past the first runs on a thread of its own while the job lasts.
+    EXPECT_LE(most.load(), before + (shards - 1)) << "threads were started during the jobs";
+    EXPECT_EQ(omp_get_max_threads(), team_before);
   }
 }
 
