@@ -955,7 +955,9 @@ TEST(CudaTileGemmTest, FewerColumnsAndRowsKeepEveryElementsBits) {
     EXPECT_GE(rows, n);
     EXPECT_TRUE(g.Runs(rows)) << rows;
     for (const int64_t t : kCudaShortRowTiles) {
-      if (t >= n && t < rows) EXPECT_FALSE(g.Runs(t)) << n << " rows fit the accepted " << t;
+      if (t >= n && t < rows) {
+        EXPECT_FALSE(g.Runs(t)) << n << " rows fit the accepted " << t;
+      }
     }
   }
   // Sampled elements against fp64: fp32 sums of exact products, |error| <= k u sum |w x|, twice
