@@ -130,6 +130,7 @@ absl::StatusOr<std::shared_ptr<const PreparedHead>> CpuBackend::PrepareHead(
   const GemmPrecision precision = options_.gemm == CpuGemm::kAuto && CpuHasNativeBf16Gemm()
                                       ? GemmPrecision::kBf16
                                       : GemmPrecision::kFp32;
+  const OmpTeamSize team(options_.threads);  // the weights' packing too, on --threads
   LOGITSERVE_ASSIGN_OR_RETURN(auto head,
                               PrepareCpuHead(std::move(weights), precision, options_.threads));
   return std::shared_ptr<const PreparedHead>(std::move(head));
