@@ -27,10 +27,11 @@ std::string TempPath(const std::string& name) {
 
 // A raw file: 8-byte little-endian header length, header text, `data_bytes` bytes of data.
 std::vector<uint8_t> Raw(const std::string& header, size_t data_bytes) {
-  std::vector<uint8_t> out(8);
+  std::vector<uint8_t> out;
+  out.reserve(8 + header.size() + data_bytes);
   const uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(n >> (8 * i));
-  out.insert(out.end(), header.begin(), header.end());
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(n >> (8 * i)));
+  for (const char c : header) out.push_back(static_cast<uint8_t>(c));
   for (size_t i = 0; i < data_bytes; ++i) out.push_back(static_cast<uint8_t>(i * 7 + 1));
   return out;
 }
