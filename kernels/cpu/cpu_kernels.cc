@@ -56,11 +56,27 @@ void ToFloatImpl(FloatType type, const void* src, int64_t n, float temperature, 
     for (; i < n; ++i) dst[i] = BFloat16ToFloat(bits[i]);
   } else {
     const hn::Rebind<hwy::float16_t, DF> dh;
+    const hn::Rebind<uint16_t, DF> d16;
+    const hn::RebindToUnsigned<DF> du;
     const auto* s = static_cast<const hwy::float16_t*>(src);
-    int64_t i = 0;
-    for (; i + lanes <= n; i += lanes)
-      hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + i)), d, dst + i);
     const auto* bits = static_cast<const uint16_t*>(src);
+    const auto exponent = hn::Set(du, 0x7c00u);
+    int64_t i = 0;
+    for (; i + lanes <= n; i += lanes) {
+      VF f = hn::PromoteTo(d, hn::LoadU(dh, s + i));
+      // Highway 1.0's fp16 emulation (targets without F16C: SSE4 and below) turns +-inf into
+      // +-65536 and a NaN into a finite value, so a masked (-inf) logit would count as a token.
+      // Such lanes get Float16ToFloat's bits: sign, all-ones exponent, the payload shifted up.
+      const auto h = hn::PromoteTo(du, hn::LoadU(d16, bits + i));
+      const auto special = hn::Eq(hn::And(h, exponent), exponent);
+      if (!hn::AllFalse(du, special)) {
+        const auto exact = hn::Or(
+            hn::Or(hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u))), hn::Set(du, 0x7f800000u)),
+            hn::ShiftLeft<13>(hn::And(h, hn::Set(du, 0x03ffu))));
+        f = hn::IfThenElse(hn::RebindMask(d, special), hn::BitCast(d, exact), f);
+      }
+      hn::StoreU(f, d, dst + i);
+    }
     for (; i < n; ++i) dst[i] = Float16ToFloat(bits[i]);
   }
   if (temperature != 1.0f) {
@@ -289,12 +305,6 @@ void TopKBlockImpl(const float* HWY_RESTRICT z, int64_t n, int32_t id0, int k, T
   for (; i < n; ++i) insert(z[i], id0 + static_cast<int32_t>(i));
 }
 
-// CpuSplitToBf16's parts of n floats, a vector at a time; the scalar tail is the reference form
-// (the same operations, so the same bits). For finite x: hi = x's top 16 bits, r1 = x - hi (exact:
-// x's low 16 bits), mid = r1's top 16 bits, lo = the top 16 bits of r1 - mid (exact); NaN gives hi
-// 0x7fc0 and +-inf keeps its bits, both with zero mid and lo, as the CUDA split. Returns the mask
-// of parts holding a non-zero value. (The scalar loop over every element took 45 % of the CPU
-// backend's hidden-mode time at V = 256: perf, the wire bench's head.)
 // The bits of `from` as a To of the same size.
 template <typename To, typename From>
 HWY_INLINE To As(From from) {
@@ -304,6 +314,12 @@ HWY_INLINE To As(From from) {
   return to;
 }
 
+// CpuSplitToBf16's parts of n floats, a vector at a time; the scalar tail is the reference form
+// (the same operations, so the same bits). For finite x: hi = x's top 16 bits, r1 = x - hi (exact:
+// x's low 16 bits), mid = r1's top 16 bits, lo = the top 16 bits of r1 - mid (exact); NaN gives hi
+// 0x7fc0 and +-inf keeps its bits, both with zero mid and lo, as the CUDA split. Returns the mask
+// of parts holding a non-zero value. (The scalar loop over every element took 45 % of the CPU
+// backend's hidden-mode time at V = 256: perf, the wire bench's head.)
 uint32_t SplitToBf16Impl(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT hi,
                          uint16_t* HWY_RESTRICT mid, uint16_t* HWY_RESTRICT lo) {
   const DF d;

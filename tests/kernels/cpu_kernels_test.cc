@@ -8,11 +8,13 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "hwy/targets.h"
 
 namespace logitserve::kernels {
 namespace {
@@ -82,6 +84,36 @@ TEST(CpuExp, DeepTermsAndMaskedValuesAddNothing) {
     EXPECT_EQ(b.s, 1.0f) << "x = " << x;
     EXPECT_EQ(b.w, 0.0f) << "x = " << x;
   }
+}
+
+// ---- CpuToFloat -------------------------------------------------------------------------------
+
+// Every fp16 and bf16 bit pattern converts exactly (Float16ToFloat / BFloat16ToFloat, checked
+// against the IEEE definitions elsewhere), infinities and NaN included, on every instruction set
+// this machine runs and the library was built for: Highway's fp16 emulation below AVX2 maps
+// +-inf to +-65536 and NaN to finite values, which would unmask a -inf logit.
+TEST(CpuToFloat, EverySixteenBitPatternOnEveryTarget) {
+  std::vector<uint16_t> all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  for (const int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const FloatType type : {FloatType::kFloat16, FloatType::kBFloat16}) {
+      std::vector<float> got(all.size());
+      CpuToFloat(type, all.data(), static_cast<int64_t>(all.size()), 1.0f, got.data());
+      for (size_t i = 0; i < all.size(); ++i) {
+        const float want =
+            type == FloatType::kFloat16 ? Float16ToFloat(all[i]) : BFloat16ToFloat(all[i]);
+        uint32_t g, w;
+        std::memcpy(&g, &got[i], sizeof(g));
+        std::memcpy(&w, &want, sizeof(w));
+        ASSERT_EQ(g, w) << "type " << static_cast<int>(type) << ", bits 0x" << std::hex << i;
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_FALSE(targets.empty());
 }
 
 // ---- CpuSplitToBf16 --------------------------------------------------------------------------
@@ -246,20 +278,29 @@ TEST(CpuSplitToBf16, EveryElementAsTheContractSaysInLongInputs) {
   } cases[] = {{FloatType::kFloat32, x.data(), &x},
                {FloatType::kBFloat16, bf.data(), &bf_values},
                {FloatType::kFloat16, half.data(), &half_values}};
-  for (const auto& c : cases) {
-    const Split s = SplitOf(c.type, c.src, n);
-    uint32_t nonzero = 0;
-    for (int i = 0; i < n; ++i) {
-      const std::array<uint16_t, 3> want = ContractParts((*c.values)[i]);
-      ASSERT_EQ(s.hi[i], want[0]) << "type " << static_cast<int>(c.type) << ", element " << i;
-      ASSERT_EQ(s.mid[i], want[1]) << "type " << static_cast<int>(c.type) << ", element " << i;
-      ASSERT_EQ(s.lo[i], want[2]) << "type " << static_cast<int>(c.type) << ", element " << i;
-      for (int p = 0; p < 3; ++p) {
-        if (want[p] & 0x7fffu) nonzero |= 1u << p;
+  // Every instruction set this machine runs and the library was built for (Highway dispatches
+  // to the best one; CI's machine may pick another).
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  for (const int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const auto& c : cases) {
+      const Split s = SplitOf(c.type, c.src, n);
+      uint32_t nonzero = 0;
+      for (int i = 0; i < n; ++i) {
+        const std::array<uint16_t, 3> want = ContractParts((*c.values)[i]);
+        ASSERT_EQ(s.hi[i], want[0]) << "type " << static_cast<int>(c.type) << ", element " << i;
+        ASSERT_EQ(s.mid[i], want[1]) << "type " << static_cast<int>(c.type) << ", element " << i;
+        ASSERT_EQ(s.lo[i], want[2]) << "type " << static_cast<int>(c.type) << ", element " << i;
+        for (int p = 0; p < 3; ++p) {
+          if (want[p] & 0x7fffu) nonzero |= 1u << p;
+        }
       }
+      EXPECT_EQ(s.nonzero, nonzero) << "type " << static_cast<int>(c.type);
     }
-    EXPECT_EQ(s.nonzero, nonzero) << "type " << static_cast<int>(c.type);
   }
+  hwy::SetSupportedTargetsForTest(0);  // back to the machine's own choice
+  EXPECT_FALSE(targets.empty());
 }
 
 // An all-zero input (either sign) has no non-zero part: the backend's GEMM skips all of them.
