@@ -88,6 +88,23 @@ TEST(CpuExp, DeepTermsAndMaskedValuesAddNothing) {
 
 // ---- CpuToFloat -------------------------------------------------------------------------------
 
+// Runs body() once on every instruction set this machine runs and the library was built for
+// (Highway dispatches to the best one; CI's and users' machines may pick another), under a trace
+// naming it; the machine's own choice is back afterwards, also when an assertion ends body early.
+template <typename Body>
+void OnEveryTarget(Body body) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  EXPECT_FALSE(targets.empty());
+  struct Restore {
+    ~Restore() { hwy::SetSupportedTargetsForTest(0); }
+  } restore;
+  for (const int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    body();
+  }
+}
+
 // Every fp16 and bf16 bit pattern converts exactly (Float16ToFloat / BFloat16ToFloat, checked
 // against the IEEE definitions elsewhere), infinities and NaN included, on every instruction set
 // this machine runs and the library was built for: Highway's fp16 emulation below AVX2 maps
@@ -95,10 +112,7 @@ TEST(CpuExp, DeepTermsAndMaskedValuesAddNothing) {
 TEST(CpuToFloat, EverySixteenBitPatternOnEveryTarget) {
   std::vector<uint16_t> all(65536);
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  for (const int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  OnEveryTarget([&] {
     for (const FloatType type : {FloatType::kFloat16, FloatType::kBFloat16}) {
       std::vector<float> got(all.size());
       CpuToFloat(type, all.data(), static_cast<int64_t>(all.size()), 1.0f, got.data());
@@ -111,9 +125,7 @@ TEST(CpuToFloat, EverySixteenBitPatternOnEveryTarget) {
         ASSERT_EQ(g, w) << "type " << static_cast<int>(type) << ", bits 0x" << std::hex << i;
       }
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
-  EXPECT_FALSE(targets.empty());
+  });
 }
 
 // ---- CpuSplitToBf16 --------------------------------------------------------------------------
@@ -278,12 +290,7 @@ TEST(CpuSplitToBf16, EveryElementAsTheContractSaysInLongInputs) {
   } cases[] = {{FloatType::kFloat32, x.data(), &x},
                {FloatType::kBFloat16, bf.data(), &bf_values},
                {FloatType::kFloat16, half.data(), &half_values}};
-  // Every instruction set this machine runs and the library was built for (Highway dispatches
-  // to the best one; CI's machine may pick another).
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  for (const int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  OnEveryTarget([&] {
     for (const auto& c : cases) {
       const Split s = SplitOf(c.type, c.src, n);
       uint32_t nonzero = 0;
@@ -298,9 +305,7 @@ TEST(CpuSplitToBf16, EveryElementAsTheContractSaysInLongInputs) {
       }
       EXPECT_EQ(s.nonzero, nonzero) << "type " << static_cast<int>(c.type);
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to the machine's own choice
-  EXPECT_FALSE(targets.empty());
+  });
 }
 
 // An all-zero input (either sign) has no non-zero part: the backend's GEMM skips all of them.
