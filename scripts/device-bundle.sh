@@ -109,8 +109,9 @@ cat >"$BUNDLE/bin/run-gpu.sh" <<'EOF'
 # eight files (the device tool returns eight): summary.txt, tests.log, sanitizer.log, bench.log,
 # kernel_bench.json, torch_baseline.json, nvidia-smi.txt.
 #   run-gpu.sh [PHASE...]   phases: tests sanitizer e2e bench torch, or all (the default: every
-#                           phase). e2e: the service's end-to-end suites against the real server
-#                           on the CUDA backend, and the server under injected device faults.
+#                           phase); and, only when named, ab and trace (below). e2e: the service's
+#                           end-to-end suites against the real server on the CUDA backend, and
+#                           the server under injected device faults.
 # Each step has a time limit (STEP_TIMEOUT, default 240 s; TORCH_TIMEOUT 300 s). `tests sanitizer`
 # and `bench torch` each take a few minutes; `all` may exceed a 10-minute call.
 set -uo pipefail
@@ -183,6 +184,29 @@ fi
 if want torch; then
   STEP_TIMEOUT=${TORCH_TIMEOUT:-300} step "$out/bench.log" torch-baseline \
     python3 "$here/bench/torch_baseline.py" --json "$out/torch_baseline.json"
+fi
+# ab: another build's kernel benchmark ($AB_BENCH, e.g. the previous main's) and this one's, run
+# alternately AB_ROUNDS times (default 2) with AB_ARGS, into bench.log: a change's effect measured
+# against the card's drift in the same call.
+if [[ $phases == *" ab "* ]]; then
+  if [ -x "${AB_BENCH:-}" ]; then
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      # shellcheck disable=SC2086
+      step "$out/bench.log" "ab-$round-A (AB_BENCH)" "$AB_BENCH" \
+        ${AB_ARGS:---no-hidden --dtypes bf16,fp16 --iters 10}
+      # shellcheck disable=SC2086
+      step "$out/bench.log" "ab-$round-B (this build)" "$here/bin/logitserve-kernel-bench" \
+        ${AB_ARGS:---no-hidden --dtypes bf16,fp16 --iters 10}
+    done
+  else
+    echo "ab: AB_BENCH is not an executable" | tee -a "$summary"
+  fi
+fi
+# trace: every TRACE_EVERY-th job of a logits-mode bench traced (LOGITSERVE_CUDA_TRACE: each
+# stage's GPU and host times), into bench.log.
+if [[ $phases == *" trace "* ]]; then
+  LOGITSERVE_CUDA_TRACE=${TRACE_EVERY:-5} step "$out/bench.log" trace \
+    "$here/bin/logitserve-kernel-bench" --no-hidden --dtypes bf16 --iters 3
 fi
 echo "logs in $out"
 EOF
