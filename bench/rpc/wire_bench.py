@@ -60,6 +60,9 @@ def main():
     ap.add_argument("--shm-channels", type=int, default=8,
                     help="Client(shm_channels=): shm calls over shared-memory call channels "
                          "(before session streams); 0 = off")
+    ap.add_argument("--shm-channel-spin-us", type=int, default=0,
+                    help="Client(shm_channel_spin_us=): how long a channel call spins for its "
+                         "answer before it sleeps on the futex (0 = sleep at once)")
     ap.add_argument("--native", choices=("auto", "on", "off"), default="auto",
                     help="Client(native=): array bytes through the package's native library "
                          "(auto: when it loads)")
@@ -82,6 +85,8 @@ def main():
     channel_args = {}
     if "shm_channels" in inspect.signature(logitserve.Client).parameters:
         channel_args["shm_channels"] = args.shm_channels
+    if "shm_channel_spin_us" in inspect.signature(logitserve.Client).parameters:
+        channel_args["shm_channel_spin_us"] = args.shm_channel_spin_us
     if "native" in inspect.signature(logitserve.Client).parameters:
         channel_args["native"] = {"auto": None, "on": True, "off": False}[args.native]
     transfer = {}
@@ -106,11 +111,12 @@ def main():
         malloc_state = lambda: "n/a"  # noqa: E731
     print("backend %s, head %s (V = %d, H = %d), Python client, pipelining %d-byte chunks x %d "
           "in flight x %d streams; %d iterations (medians), rates over >= %.1f s; large "
-          "allocations kept: %s; session streams: %d; shm channels: %s; native send path: "
-          "%s%s" % (
+          "allocations kept: %s; session streams: %d; shm channels: %s (spin %s us); native send "
+          "path: %s%s" % (
               heads.backend, args.head, V, H, args.pipeline_chunk_bytes, args.pipeline_depth,
               args.pipeline_streams, args.iters, args.rate_seconds, malloc_state(),
               args.session_streams, channel_args.get("shm_channels", "n/a"),
+              channel_args.get("shm_channel_spin_us", "n/a"),
               getattr(piped, "native", "n/a"),
               "; shm only" if args.shm_only else ""))
     print("%6s %7s %10s %11s %11s %4s %7s %9s %10s %11s %7s %8s %7s %7s %9s %6s %7s %6s %9s "
