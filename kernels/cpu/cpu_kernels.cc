@@ -63,11 +63,12 @@ void ToFloatImpl(FloatType type, const void* src, int64_t n, float temperature, 
     const auto exponent = hn::Set(du, 0x7c00u);
     int64_t i = 0;
     for (; i + lanes <= n; i += lanes) {
-      VF f = hn::PromoteTo(d, hn::LoadU(dh, s + i));
+      const auto raw = hn::LoadU(dh, s + i);
+      VF f = hn::PromoteTo(d, raw);
       // Highway 1.0's fp16 emulation (targets without F16C: SSE4 and below) turns +-inf into
       // +-65536 and a NaN into a finite value, so a masked (-inf) logit would count as a token.
       // Such lanes get Float16ToFloat's bits: sign, all-ones exponent, the payload shifted up.
-      const auto h = hn::PromoteTo(du, hn::LoadU(d16, bits + i));
+      const auto h = hn::PromoteTo(du, hn::BitCast(d16, raw));
       const auto special = hn::Eq(hn::And(h, exponent), exponent);
       if (!hn::AllFalse(du, special)) {
         const auto exact = hn::Or(
