@@ -190,13 +190,11 @@ fi
 # against the card's drift in the same call.
 if [[ $phases == *" ab "* ]]; then
   if [ -x "${AB_BENCH:-}" ]; then
+    read -r -a ab_args <<<"${AB_ARGS:---no-hidden --dtypes bf16,fp16 --iters 10}"
     for round in $(seq "${AB_ROUNDS:-2}"); do
-      # shellcheck disable=SC2086
-      step "$out/bench.log" "ab-$round-A (AB_BENCH)" "$AB_BENCH" \
-        ${AB_ARGS:---no-hidden --dtypes bf16,fp16 --iters 10}
-      # shellcheck disable=SC2086
+      step "$out/bench.log" "ab-$round-A (AB_BENCH)" "$AB_BENCH" "${ab_args[@]}"
       step "$out/bench.log" "ab-$round-B (this build)" "$here/bin/logitserve-kernel-bench" \
-        ${AB_ARGS:---no-hidden --dtypes bf16,fp16 --iters 10}
+        "${ab_args[@]}"
     done
   else
     echo "ab: AB_BENCH is not an executable" | tee -a "$summary"

@@ -83,11 +83,12 @@ def main():
 
     # A package from before shared-memory channels takes no shm_channels (A/B runs against it).
     channel_args = {}
-    if "shm_channels" in inspect.signature(logitserve.Client).parameters:
+    client_params = inspect.signature(logitserve.Client).parameters
+    if "shm_channels" in client_params:
         channel_args["shm_channels"] = args.shm_channels
-    if "shm_channel_spin_us" in inspect.signature(logitserve.Client).parameters:
+    if "shm_channel_spin_us" in client_params:
         channel_args["shm_channel_spin_us"] = args.shm_channel_spin_us
-    if "native" in inspect.signature(logitserve.Client).parameters:
+    if "native" in client_params:
         channel_args["native"] = {"auto": None, "on": True, "off": False}[args.native]
     transfer = {}
     if args.transfer_json:
