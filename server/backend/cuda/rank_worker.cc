@@ -581,14 +581,14 @@ absl::Status RankWorker::Run() {
 int64_t RankWorker::Depth() const {
   // A pageable logits copy waits for the stream inside the driver anyway: one tile. Hidden mode:
   // two (the pinned hidden tiles are double-buffered; the GPU keeps the next tile queued). Logits
-  // mode: as many tiles as make up kLogitsRowsAhead rows, so that the host never waits for a
-  // tile's tail before it queues the next tile's statistics, while stop checks and the watchdog
-  // stay within about one 8192-row job of the device.
+  // mode: as many tiles as hold kLogitsRowsAhead rows (rounded up: 2560-row tiles of an 8192-row
+  // job queue all four), so that the host never waits for a tile's tail before it queues the next
+  // tile's statistics, while stop checks and the watchdog stay within about one job of the device.
   constexpr int64_t kLogitsRowsAhead = 8192;
   if (plan_.pageable_logits) return 1;
   // Pageable hidden states: tile t reuses the pinned tile of t - 2.
   if (!pipelined() || plan_.model_pageable_hidden || plan_.ref_pageable_hidden) return 2;
-  return std::clamp<int64_t>(kLogitsRowsAhead / plan_.tile_rows, 2, kTileEvents);
+  return std::clamp<int64_t>(CeilDiv(kLogitsRowsAhead, plan_.tile_rows), 2, kTileEvents);
 }
 
 absl::Status RankWorker::WaitTile(int64_t tile) {

@@ -97,8 +97,9 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
     LOGITSERVE_RETURN_IF_ERROR(WaitIdle("job end"));
   } else {
     // The tiles WaitTile has not copied: each tile's slices split over the threads, every thread
-    // going through the tiles in order and waiting for each one's event only, so the host copies
-    // of early tiles overlap the computation and the device-to-host copies of later ones.
+    // going through the tiles in order and starting on each as soon as its event has fired, so
+    // the host copies of early tiles overlap the computation and the device-to-host copies of
+    // later ones.
     std::vector<std::vector<HostCopy>> tiles;
     size_t total = 0;
     for (int64_t t = copied_; t < num_tiles_; ++t) {
@@ -108,13 +109,30 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
     const size_t n = CopyThreads(total);
     std::vector<SplitCopy> splits;
     for (auto& copies : tiles) splits.emplace_back(std::move(copies), n);
-    std::vector<absl::Status> waited(n);
+    // Only the caller's share (i = 0) polls the tiles' events, and publishes how many have landed;
+    // the other threads watch that counter instead of each polling the driver.
+    std::atomic<int64_t> landed{0};  // tiles of `splits` whose copies are in host_io; -1: failed
+    absl::Status waited;
     auto run = [&](size_t i) {
-      for (size_t j = 0; j < splits.size() && waited[i].ok(); ++j) {
+      for (size_t j = 0; j < splits.size(); ++j) {
         const int64_t t = copied_ + static_cast<int64_t>(j);
-        waited[i] =
-            WaitFor(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), "output copy");
-        if (waited[i].ok()) splits[j].Run(i);
+        if (i == 0) {
+          waited =
+              WaitFor(rank_.tile_done[static_cast<size_t>(t % kTileEvents)].get(), "output copy");
+          landed.store(waited.ok() ? static_cast<int64_t>(j) + 1 : -1, std::memory_order_release);
+          if (!waited.ok()) return;
+          if (j + 1 == splits.size()) JobTrace::Mark("last tile's outputs landed");
+        } else {
+          // No timeout of its own: the caller's wait has the watchdog's and then publishes -1.
+          (void)PollUntil(
+              [&]() -> absl::StatusOr<bool> {
+                const int64_t l = landed.load(std::memory_order_acquire);
+                return l < 0 || l > static_cast<int64_t>(j);
+              },
+              absl::InfiniteDuration(), nullptr, "output copy");
+          if (landed.load(std::memory_order_acquire) < 0) return;
+        }
+        splits[j].Run(i);
       }
     };
     if (n > 1 && rank_.copy_pool != nullptr) {
@@ -122,7 +140,7 @@ absl::Status RankWorker::Finish(bool copy, int32_t* first_bad) {
     } else {
       for (size_t i = 0; i < n; ++i) run(i);
     }
-    for (absl::Status& w : waited) LOGITSERVE_RETURN_IF_ERROR(w);
+    LOGITSERVE_RETURN_IF_ERROR(waited);
     JobTrace::Mark("host copies done");
     copied_ = num_tiles_;
     std::memcpy(first_bad, rank_.host_io.data() + io_outputs_at_, 2 * sizeof(int32_t));
