@@ -14,6 +14,7 @@
 #include "server/service/client_text.h"
 #include "server/service/held_bytes.h"
 #include "server/service/metrics.h"
+#include "server/service/request_parse.h"
 #include "server/service/sequence_sums.h"
 #include "server/service/shm_registry.h"
 #include "server/service/status.h"
@@ -230,9 +231,12 @@ void ScorerService::FillResponse(const v1::ScoreRequest& request, const ScoreJob
   out->set_compute_us(MicrosBetween(timing.started, timing.finished) + validated.finite_check_us);
 }
 
+// Registered raw: the request is parsed here (request_parse.h: each tensor allocated once, at its
+// size; gRPC's own parse reallocated it as it grew), and one that does not parse is answered
+// INVALID_ARGUMENT (gRPC's typed handler answers UNIMPLEMENTED before any handler runs).
 grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* context,
-                                               const v1::ScoreRequest* request,
-                                               v1::ScoreResponse* response) {
+                                               const grpc::ByteBuffer* request_bytes,
+                                               grpc::ByteBuffer* response_bytes) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto calls = std::make_shared<CallStateCount>(options_.metrics);
   auto finish = [this, reactor, calls](const grpc::Status& status) {
@@ -243,12 +247,30 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
     finish(ToGrpcStatus(auth));
     return reactor;
   }
+  auto request = std::make_shared<v1::ScoreRequest>();
+  if (!ParseScoreRequest(*request_bytes, request.get())) {
+    finish(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                     "the request is not a valid logitserve.v1.ScoreRequest (it does not parse)"));
+    return reactor;
+  }
   Submit(
       *request, [context] { return StopStatus(context); },
-      [request, response, finish](absl::Status status, const ScoreResult& result,
-                                  const ScoreJob& job, const ValidatedRequest& validated,
-                                  const Scheduler::Timing& timing, int64_t /*admitted_bytes*/) {
-        if (status.ok()) FillResponse(*request, job, validated, result, timing, response);
+      [request, response_bytes, finish](absl::Status status, const ScoreResult& result,
+                                        const ScoreJob& job, const ValidatedRequest& validated,
+                                        const Scheduler::Timing& timing,
+                                        int64_t /*admitted_bytes*/) {
+        if (status.ok()) {
+          v1::ScoreResponse response;
+          FillResponse(*request, job, validated, result, timing, &response);
+          bool own_buffer = false;
+          const grpc::Status serialized = grpc::SerializationTraits<v1::ScoreResponse>::Serialize(
+              response, response_bytes, &own_buffer);
+          if (!serialized.ok()) {
+            finish(serialized);
+            return;
+          }
+        }
         finish(ToGrpcStatus(status));
       });
   return reactor;
@@ -323,14 +345,13 @@ class ScorerService::StreamReactor final
     }
     ++messages_read_;
     auto parsed = std::make_shared<v1::ScoreStreamRequest>();
-    const grpc::Status parse =
-        grpc::SerializationTraits<v1::ScoreStreamRequest>::Deserialize(&reading_, parsed.get());
+    const bool parse = ParseScoreStreamRequest(reading_, parsed.get());
     reading_.Clear();
     {
       absl::MutexLock lock(&mu_);
       ++in_flight_;
     }
-    if (!parse.ok()) {
+    if (!parse) {
       // Answered like any failed request (no request_id: it could not be read); the stream goes on.
       auto response = std::make_unique<v1::ScoreStreamResponse>();
       const absl::Status status = absl::InvalidArgumentError(

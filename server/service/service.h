@@ -69,11 +69,11 @@ struct ServiceOptions {
   std::function<void(const absl::Status&)> on_fatal;
 };
 
-// The generated CallbackService with ScoreStream registered raw (ByteBuffer in and out): the
-// stream's reactor parses each message itself, so an unparsable one is answered INVALID_ARGUMENT
-// and the stream goes on (gRPC's typed callback reads report a parse failure as ok = false, the
-// same as the client's half-close: the stream would end OK and drop the requests after it).
-using ScorerCallbackBase = v1::Scorer::WithCallbackMethod_Score<
+// The generated CallbackService with Score and ScoreStream registered raw (ByteBuffer in and out):
+// the service parses each request itself (request_parse.h), so an unparsable one is answered
+// INVALID_ARGUMENT (and a stream goes on: gRPC's typed callback reads report a parse failure as
+// ok = false, the same as the client's half-close, and would drop the requests after it).
+using ScorerCallbackBase = v1::Scorer::WithRawCallbackMethod_Score<
     v1::Scorer::WithRawCallbackMethod_ScoreStream<v1::Scorer::WithCallbackMethod_ListHeads<
         v1::Scorer::WithCallbackMethod_LoadHead<v1::Scorer::WithCallbackMethod_RegisterSharedMemory<
             v1::Scorer::WithCallbackMethod_UnregisterSharedMemory<
@@ -85,8 +85,8 @@ class ScorerService final : public ScorerCallbackBase {
   ~ScorerService() override;
 
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* context,
-                                  const v1::ScoreRequest* request,
-                                  v1::ScoreResponse* response) override;
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ScoreStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,

@@ -310,12 +310,10 @@ TEST(StreamBackPressureE2eTest, ClientThatNeverReadsHoldsABoundedWindow) {
 // ---------------------------------------------------------------------------------------------
 // Item 6: malformed protobuf.
 
-// gRPC 1.51's callback server parses a unary request before any handler runs and answers one that
-// does not parse with UNIMPLEMENTED and an empty message (SPEC section 6 asks INVALID_ARGUMENT);
-// the handler never sees it. Only a raw (ByteBuffer) method would let the service parse it
-// itself, as ScoreStream does (next test); docs/operations.md records the gap. This test pins what
-// gRPC does, so an upgrade that changes it is noticed, and checks what must hold either way: the
-// call fails alone and the connection and server serve on.
+// Score is registered raw and parses each request itself (server/service/request_parse.h), as
+// ScoreStream does (next test): a request that does not parse is answered INVALID_ARGUMENT,
+// naming the message (SPEC section 6; gRPC's typed handler answered UNIMPLEMENTED before any
+// handler ran), the call fails alone and the connection and server serve on.
 TEST(MalformedMessageE2eTest, UnparsableRequestFailsAloneAndTheServerServesOn) {
   std::unique_ptr<ServerProcess> server = StartServer({});
   ASSERT_NE(server, nullptr);
@@ -345,7 +343,9 @@ TEST(MalformedMessageE2eTest, UnparsableRequestFailsAloneAndTheServerServesOn) {
   }
   std::printf("[ measured ] malformed ScoreRequest: code %d, message '%s'\n", status.error_code(),
               status.error_message().c_str());
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("logitserve.v1.ScoreRequest"), std::string::npos)
+      << status.error_message();
   // The connection and the server are fine.
   auto stub = v1::Scorer::NewStub(channel);
   v1::ScoreResponse response;
