@@ -139,6 +139,7 @@ bool ReserveTensors(SliceReader& r, uint64_t end, v1::ScoreRequest* out) {
 
 // The parse proper: protobuf, told the message's size.
 bool MergeBuffer(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* out) {
+  if (!buffer.Valid()) return false;  // no message at all
   const size_t length = buffer.Length();
   if (length == 0) return true;  // the empty message (its checks are validation's)
   if (length > static_cast<size_t>(INT_MAX)) return false;

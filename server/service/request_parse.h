@@ -18,8 +18,8 @@
 
 namespace logitserve {
 
-// Parses `buffer` into `out` (a fresh message); false when the bytes are not a valid message.
-// Leaves `buffer` as it was.
+// Parses `buffer` into `out` (a fresh message); false when the bytes are not a valid message, or
+// when `buffer` holds no message at all (!Valid()). Leaves `buffer` as it was.
 bool ParseScoreRequest(const grpc::ByteBuffer& buffer, v1::ScoreRequest* out);
 bool ParseScoreStreamRequest(const grpc::ByteBuffer& buffer, v1::ScoreStreamRequest* out);
 

@@ -247,6 +247,15 @@ grpc::ServerUnaryReactor* ScorerService::Score(grpc::CallbackServerContext* cont
     finish(ToGrpcStatus(auth));
     return reactor;
   }
+  if (!request_bytes->Valid()) {
+    // No request message: gRPC runs a raw handler even for a call that ended (the client
+    // cancelled, the stream was reset) before its message arrived; the typed handler never ran
+    // for one. Counted as cancelled, not as an invalid request (the cancellation itself may not
+    // be visible on the context yet).
+    finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the call ended before its request message arrived"));
+    return reactor;
+  }
   auto request = std::make_shared<v1::ScoreRequest>();
   if (!ParseScoreRequest(*request_bytes, request.get())) {
     finish(

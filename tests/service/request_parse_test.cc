@@ -96,7 +96,9 @@ TEST(RequestParse, RefusesWhatIsNotAMessage) {
   // Wire type 7 does not exist.
   v1::ScoreStreamRequest s;
   EXPECT_FALSE(ParseScoreStreamRequest(Sliced(std::string("\x0f\x00", 2), 1), &s));
-  // No bytes are the empty message.
+  // A buffer without a message is refused; no bytes are the empty message.
+  v1::ScoreRequest none;
+  EXPECT_FALSE(ParseScoreRequest(grpc::ByteBuffer(), &none));
   v1::ScoreRequest empty;
   EXPECT_TRUE(ParseScoreRequest(Sliced("", 1), &empty));
   EXPECT_EQ(empty.ByteSizeLong(), 0u);
