@@ -67,7 +67,8 @@ class SliceReader {
 
 constexpr uint32_t kLengthDelimited = 2;
 
-// Skips the value of a field of wire type `type` (its tag read). False on a group or bad bytes.
+// Skips the value of a field of fixed-size or varint wire type `type` (its tag read; ForEachField
+// handles length-delimited fields itself). False on a group or bad bytes.
 bool SkipValue(SliceReader& r, uint32_t type) {
   uint64_t v = 0;
   switch (type) {
@@ -75,8 +76,6 @@ bool SkipValue(SliceReader& r, uint32_t type) {
       return r.ReadVarint(&v);
     case 1:
       return r.Skip(8);
-    case 2:
-      return r.ReadVarint(&v) && r.Skip(v);
     case 5:
       return r.Skip(4);
     default:
