@@ -1,5 +1,6 @@
 #include "server/service/request_parse.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
@@ -7,99 +8,50 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <utility>
-#include <vector>
 
 namespace logitserve {
 namespace {
 
-// Sequential reads over a buffer's slices (tags, varints, skips): enough of the wire format to
-// find the tensors' lengths without copying a payload.
-class SliceReader {
- public:
-  explicit SliceReader(std::vector<grpc::Slice> slices) : slices_(std::move(slices)) {}
+using google::protobuf::io::CodedInputStream;
 
-  uint64_t position() const { return position_; }
-
-  bool ReadByte(uint8_t* b) {
-    while (slice_ < slices_.size() && offset_ == slices_[slice_].size()) {
-      ++slice_;
-      offset_ = 0;
-    }
-    if (slice_ == slices_.size()) return false;
-    *b = slices_[slice_].begin()[offset_++];
-    ++position_;
-    return true;
-  }
-
-  bool ReadVarint(uint64_t* v) {
-    *v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      uint8_t b = 0;
-      if (!ReadByte(&b)) return false;
-      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if ((b & 0x80) == 0) return true;
-    }
-    return false;
-  }
-
-  bool Skip(uint64_t n) {
-    while (n > 0) {
-      if (slice_ == slices_.size()) return false;
-      const uint64_t here = std::min<uint64_t>(n, slices_[slice_].size() - offset_);
-      offset_ += here;
-      position_ += here;
-      n -= here;
-      if (offset_ == slices_[slice_].size()) {
-        ++slice_;
-        offset_ = 0;
-      }
-    }
-    return true;
-  }
-
- private:
-  std::vector<grpc::Slice> slices_;
-  size_t slice_ = 0;
-  size_t offset_ = 0;
-  uint64_t position_ = 0;
-};
-
-constexpr uint32_t kLengthDelimited = 2;
-
-// Skips the value of a field of fixed-size or varint wire type `type` (its tag read; ForEachField
-// handles length-delimited fields itself). False on a group or bad bytes.
-bool SkipValue(SliceReader& r, uint32_t type) {
+// Skips the value of a field of wire type `type` other than length-delimited (its tag read).
+// False on a group or bad bytes (the parse then decides).
+bool SkipValue(CodedInputStream& in, uint32_t type) {
   uint64_t v = 0;
   switch (type) {
-    case 0:
-      return r.ReadVarint(&v);
-    case 1:
-      return r.Skip(8);
-    case 5:
-      return r.Skip(4);
+    case 0:  // varint
+      return in.ReadVarint64(&v);
+    case 1:  // 64-bit
+      return in.Skip(8);
+    case 5:  // 32-bit
+      return in.Skip(4);
     default:
       return false;
   }
 }
 
 // Calls on_field(number, length) for each length-delimited field of the message that ends at
-// `end`, with the reader at the field's payload; on_field consumes exactly `length` bytes.
+// `in`'s current limit, with `in` at the field's payload; on_field consumes exactly `length`
+// bytes. Other fields are skipped. Protobuf's own reader over the buffer's slices: nothing is
+// copied but the tags and lengths.
 template <typename F>
-bool ForEachField(SliceReader& r, uint64_t end, F&& on_field) {
-  while (r.position() < end) {
-    uint64_t tag = 0;
-    if (!r.ReadVarint(&tag)) return false;
-    const uint32_t type = static_cast<uint32_t>(tag & 7);
-    if (type != kLengthDelimited) {
-      if (!SkipValue(r, type)) return false;
+bool ForEachField(CodedInputStream& in, F&& on_field) {
+  for (;;) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) return in.BytesUntilLimit() == 0;  // the end (a zero tag before it is bad)
+    if ((tag & 7) != 2) {                            // not length-delimited
+      if (!SkipValue(in, tag & 7)) return false;
       continue;
     }
-    uint64_t length = 0;
-    if (!r.ReadVarint(&length) || length > end - r.position()) return false;
-    if (!on_field(static_cast<uint32_t>(tag >> 3), length)) return false;
+    uint32_t length = 0;
+    if (!in.ReadVarint32(&length) || static_cast<int64_t>(length) > in.BytesUntilLimit()) {
+      return false;
+    }
+    const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+    const bool ok = on_field(tag >> 3, length) && in.BytesUntilLimit() == 0;
+    in.PopLimit(limit);
+    if (!ok) return false;
   }
-  return r.position() == end;
 }
 
 // The ScoreRequest field `number` if it is a tensor (a Tensor message), else null.
@@ -120,56 +72,60 @@ v1::Tensor* MutableTensor(v1::ScoreRequest* m, uint32_t number) {
   }
 }
 
-// Reserves, in `out`, the bytes of every tensor of the ScoreRequest that ends at `end`. Creates
-// only tensors the message holds (the parse would create them anyway).
-bool ReserveTensors(SliceReader& r, uint64_t end, v1::ScoreRequest* out) {
-  return ForEachField(r, end, [&](uint32_t number, uint64_t length) {
+// Reserves, in `out`, the bytes of every tensor of the ScoreRequest that ends at `in`'s limit.
+// Creates only tensors the message holds (the parse would create them anyway).
+bool ReserveTensors(CodedInputStream& in, v1::ScoreRequest* out) {
+  return ForEachField(in, [&](uint32_t number, uint32_t length) {
     v1::Tensor* tensor = MutableTensor(out, number);
-    if (tensor == nullptr) return r.Skip(length);
-    return ForEachField(r, r.position() + length, [&](uint32_t field, uint64_t bytes) {
+    if (tensor == nullptr) return in.Skip(static_cast<int>(length));
+    return ForEachField(in, [&](uint32_t field, uint32_t bytes) {
       if (field == v1::Tensor::kDataFieldNumber) {
         std::string* data = tensor->mutable_data();
         data->reserve(std::max<size_t>(data->capacity(), bytes));
       }
-      return r.Skip(bytes);
+      return in.Skip(static_cast<int>(bytes));
     });
   });
 }
 
-// The parse proper: protobuf, told the message's size.
-bool MergeBuffer(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* out) {
+// `scan(in)` over the message's bytes (a reader bounded by its size), then the parse proper:
+// protobuf, told the message's size. A scan that fails reserves nothing more; the parse then
+// decides (and fails the same way).
+template <typename Scan>
+bool ScanThenMerge(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* out,
+                   Scan&& scan) {
   if (!buffer.Valid()) return false;  // no message at all
   const size_t length = buffer.Length();
   if (length == 0) return true;  // the empty message (its checks are validation's)
   if (length > static_cast<size_t>(INT_MAX)) return false;
-  grpc::ByteBuffer copy(buffer);  // shares the slices
+  {
+    grpc::ByteBuffer copy(buffer);  // shares the slices
+    grpc::ProtoBufferReader reader(&copy);
+    CodedInputStream in(&reader);
+    in.PushLimit(static_cast<int>(length));
+    (void)scan(in);
+  }
+  grpc::ByteBuffer copy(buffer);
   grpc::ProtoBufferReader reader(&copy);
   return out->MergeFromBoundedZeroCopyStream(&reader, static_cast<int>(length)) &&
          reader.status().ok();
 }
 
-std::vector<grpc::Slice> Slices(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  if (!buffer.Dump(&slices).ok()) slices.clear();
-  return slices;
-}
-
 }  // namespace
 
 bool ParseScoreRequest(const grpc::ByteBuffer& buffer, v1::ScoreRequest* out) {
-  SliceReader r(Slices(buffer));
-  // A scan that fails reserves nothing more; the parse then decides (and fails the same way).
-  (void)ReserveTensors(r, buffer.Length(), out);
-  return MergeBuffer(buffer, out);
+  return ScanThenMerge(buffer, out, [&](CodedInputStream& in) { return ReserveTensors(in, out); });
 }
 
 bool ParseScoreStreamRequest(const grpc::ByteBuffer& buffer, v1::ScoreStreamRequest* out) {
-  SliceReader r(Slices(buffer));
-  (void)ForEachField(r, buffer.Length(), [&](uint32_t number, uint64_t length) {
-    if (number != v1::ScoreStreamRequest::kRequestFieldNumber) return r.Skip(length);
-    return ReserveTensors(r, r.position() + length, out->mutable_request());
+  return ScanThenMerge(buffer, out, [&](CodedInputStream& in) {
+    return ForEachField(in, [&](uint32_t number, uint32_t length) {
+      if (number != v1::ScoreStreamRequest::kRequestFieldNumber) {
+        return in.Skip(static_cast<int>(length));
+      }
+      return ReserveTensors(in, out->mutable_request());
+    });
   });
-  return MergeBuffer(buffer, out);
 }
 
 }  // namespace logitserve
