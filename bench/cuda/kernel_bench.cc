@@ -241,6 +241,7 @@ int main(int argc, char** argv) {
   if (slot_cols != logitserve::kCudaVocabChunk)
     tile_gemm_cols.push_back(logitserve::kCudaVocabChunk);
   int tile_gemm_candidates = 0;
+  std::vector<int> tile_gemm_free = {logitserve::CudaBackendOptions{}.hidden_stats_sms};
   std::vector<std::string> hidden_configs;
   std::vector<std::string> fused_configs = {"2x2:2048", "2x1:2048"};
   bool no_logits = false, no_hidden = false;
@@ -270,13 +271,18 @@ int main(int argc, char** argv) {
   app.add_option("--tile-gemm-candidates", tile_gemm_candidates,
                  "hidden mode: also time each shape with cuBLASLt's first N algorithms without "
                  "split-K (the backend pins the first with a preferred tile shape)");
+  app.add_option("--tile-gemm-free", tile_gemm_free,
+                 "hidden mode: time the tile GEMMs alone planned for the GPU's SMs minus each of "
+                 "these (cuBLASLt's SM count target; 0 = every SM; default: the backend's "
+                 "hidden_stats_sms)")
+      ->delimiter(',');
   app.add_option("--hidden-configs", hidden_configs,
                  "hidden mode: also run the 1-GPU Score with these "
-                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN] "
+                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN] "
                  "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
                  "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2, cg = a GEMM per "
                  "8192-id chunk: hidden_slot_gemms off, algN = hidden_gemm_candidate N, "
-                 "slotsN = hidden_slots N)")
+                 "slotsN = hidden_slots N, freeN = hidden_stats_sms N)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -728,11 +734,13 @@ int main(int argc, char** argv) {
 
     // The pipeline's own GEMMs alone: its fixed row tile x one slot (or one chunk) x H, as many
     // as one job runs (and, for comparison, other shapes: --tile-gemm-rows, --tile-gemm-cols).
-    auto time_tile_gemms = [&](int64_t gemm_rows, int64_t gemm_cols, int candidate) -> bool {
+    auto time_tile_gemms = [&](int64_t gemm_rows, int64_t gemm_cols, int candidate,
+                               int free_sms) -> bool {
       cublasLtHandle_t lt;
       CHECK_CUDA(cublasLtCreate(&lt));
       logitserve::TileGemmShape shape{gemm_rows, gemm_cols, gemm_cols};
       shape.candidate = candidate;
+      if (free_sms > 0) shape.sm_count = prop.multiProcessorCount - free_sms;
       auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8, shape);
       if (!gemm.ok()) {
         std::printf("  %ld x %ld, candidate %d: %s\n", static_cast<long>(gemm_rows),
@@ -759,8 +767,9 @@ int main(int argc, char** argv) {
           }
         }
       });
-      const bool pipeline =
-          gemm_rows == logitserve::kCudaRowTile && gemm_cols == slot_cols && candidate < 0;
+      const bool pipeline = gemm_rows == logitserve::kCudaRowTile && gemm_cols == slot_cols &&
+                            candidate < 0 &&
+                            free_sms == logitserve::CudaBackendOptions{}.hidden_stats_sms;
       std::printf(
           "%s tile GEMMs alone (%ld x %ldx%ldx%ld, zeros): %.3f ms = %.3f x the bare "
           "GEMMs\n  %s\n",
@@ -771,9 +780,9 @@ int main(int argc, char** argv) {
         out["hidden"]["tile_gemms_ms"] = ms;
         out["hidden"]["tile_gemm"] = (*gemm)->description();
       } else {
-        out["hidden"]["tile_gemms_ms_by_shape"][std::to_string(gemm_rows) + "x" +
-                                                std::to_string(gemm_cols) + "#" +
-                                                std::to_string(candidate)] = ms;
+        out["hidden"]["tile_gemms_ms_by_shape"]
+           [std::to_string(gemm_rows) + "x" + std::to_string(gemm_cols) + "#" +
+            std::to_string(candidate) + "-" + std::to_string(free_sms)] = ms;
       }
       cudaFree(w);
       cudaFree(x);
@@ -782,10 +791,13 @@ int main(int argc, char** argv) {
       cublasLtDestroy(lt);
       return true;
     };
-    for (const int64_t gemm_rows : tile_gemm_rows) {
-      for (const int64_t gemm_cols : tile_gemm_cols) {
-        for (int c = -1; c < tile_gemm_candidates && time_tile_gemms(gemm_rows, gemm_cols, c);
-             ++c) {
+    for (const int free_sms : tile_gemm_free) {
+      for (const int64_t gemm_rows : tile_gemm_rows) {
+        for (const int64_t gemm_cols : tile_gemm_cols) {
+          for (int c = -1;
+               c < tile_gemm_candidates && time_tile_gemms(gemm_rows, gemm_cols, c, free_sms);
+               ++c) {
+          }
         }
       }
     }
@@ -838,6 +850,9 @@ int main(int argc, char** argv) {
         } else if (absl::StartsWith(f[i], "slots") && absl::SimpleAtoi(f[i].substr(5), &n)) {
           c.hidden_slots = n;
           label += ", " + std::to_string(n) + " slots";
+        } else if (absl::StartsWith(f[i], "free") && absl::SimpleAtoi(f[i].substr(4), &n)) {
+          c.hidden_stats_sms = n;
+          label += ", " + std::to_string(n) + " SMs left to the statistics";
         } else {
           bad = true;
         }

@@ -777,10 +777,10 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
 // (the GEMMs fill the logits slots in turn on their own stream without one, keep every chunk of
 // the row tile with one), also with both distributions' GEMMs on one stream (hidden_gemm_streams
-// 1; by default the reference's have their own) and with two or three logits slots (hidden_slots;
-// one by default), and with the first row tile of host inputs staged by the ranks once the job
+// 1; by default the reference's have their own) and with one or three logits slots (hidden_slots;
+// two by default), and with the first row tile of host inputs staged by the ranks once the job
 // holds them instead of prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile
-// (two slots of two chunks by default), so a tile reuses a logits slot; N = 4200: three row tiles
+// (two slots of one chunk by default), so a tile reuses a logits slot; N = 4200: three row tiles
 // of 2048 (the last short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   constexpr int64_t kVocab = 20000, kH = 96, kN = 4200;
@@ -809,7 +809,7 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
                                      o.prestage_bytes = 0;
                                      return CreateCudaBackend(o);
                                    }});
-  for (int slots : {2, 3}) {
+  for (int slots : {1, 3}) {
     layouts.push_back(BackendFactory{"one_gpu_slots_" + std::to_string(slots), [slots] {
                                        CudaBackendOptions o;
                                        o.hidden_fused_max_hidden = 0;
@@ -1219,6 +1219,9 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
     o.hidden_slots = slots;
     EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kInvalidArgument) << slots;
   }
+  CudaBackendOptions stats_sms;
+  stats_sms.hidden_stats_sms = -1;
+  EXPECT_EQ(CreateCudaBackend(stats_sms).status().code(), absl::StatusCode::kInvalidArgument);
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->name(), "cuda");

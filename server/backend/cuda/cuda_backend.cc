@@ -119,9 +119,12 @@ class CudaBackend final : public Backend {
     return options_.hidden_row_tile > 0 ? options_.hidden_row_tile : kCudaRowTile;
   }
   int64_t SlotCols() const { return options_.hidden_stats_chunks * kCudaVocabChunk; }
-  TileGemmShape SlotGemmShape(bool whole_slot) const {
+  TileGemmShape SlotGemmShape(bool whole_slot, int device_sms) const {
     TileGemmShape s{HiddenRowTile(), whole_slot ? SlotCols() : kCudaVocabChunk, SlotCols()};
     s.candidate = options_.hidden_gemm_candidate;
+    if (options_.hidden_stats_sms > 0 && device_sms > 2 * options_.hidden_stats_sms) {
+      s.sm_count = device_sms - options_.hidden_stats_sms;
+    }
     return s;
   }
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
@@ -149,13 +152,16 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
   if (it != gemms_.end()) return it->second;
   DeviceGuard guard(device);
   LOGITSERVE_RETURN_IF_ERROR(guard.status());
+  int sms = 0;
+  LOGITSERVE_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   LtHandle lt;  // its own handle: the ranks' handles may be busy in a concurrent Score
   LOGITSERVE_RETURN_IF_ERROR(lt.Create());
   absl::StatusOr<std::unique_ptr<CudaTileGemm>> gemm =
-      CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(options_.hidden_slot_gemms));
+      CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(options_.hidden_slot_gemms, sms));
   if (!gemm.ok() && options_.hidden_slot_gemms &&
       absl::IsFailedPrecondition(gemm.status())) {  // no algorithm for every slot width
-    gemm = CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(false));
+    gemm = CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(false, sms));
   }
   LOGITSERVE_RETURN_IF_ERROR(gemm.status());
   std::shared_ptr<const CudaTileGemm> shared = std::move(*gemm);
@@ -565,32 +571,27 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   for (int64_t w : options.shard_weights) {
     if (w < 0) return absl::InvalidArgumentError("shard_weights must be >= 0");
   }
-  if (options.logits_tile_rows < 0) {
-    return absl::InvalidArgumentError("logits_tile_rows must be >= 0");
-  }
-  if (options.hidden_row_tile < 0 || options.hidden_row_tile > 8192 ||
-      options.hidden_row_tile % 64 != 0) {
-    return absl::InvalidArgumentError("hidden_row_tile must be 0 or a multiple of 64 <= 8192");
-  }
-  if (options.hidden_stats_chunks < 1 || options.hidden_stats_chunks > 64) {
-    return absl::InvalidArgumentError("hidden_stats_chunks must be in [1, 64]");
-  }
-  if (options.hidden_gemm_streams != 1 && options.hidden_gemm_streams != 2) {
-    return absl::InvalidArgumentError("hidden_gemm_streams must be 1 or 2");
-  }
-  if (options.hidden_slots < 1 || options.hidden_slots > cuda_internal::Rank::kMaxHiddenSlots) {
-    return absl::InvalidArgumentError("hidden_slots must be in [1, 4]");
-  }
-  if (options.hidden_gemm_candidate < -1 || options.hidden_gemm_candidate > 31) {
-    return absl::InvalidArgumentError("hidden_gemm_candidate must be in [-1, 31]");
-  }
-  if (options.collective_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("collective_timeout must be > 0");
-  }
-  if (options.hidden_fused_tile_rows < 0 || options.hidden_fused_tile_rows % 128 != 0 ||
-      options.hidden_fused_tile_rows > 65536) {
-    return absl::InvalidArgumentError(
-        "hidden_fused_tile_rows must be 0 or a multiple of 128 <= 65536");
+  // The numeric options: the first out of range is named.
+  const int64_t row_tile = options.hidden_row_tile, fused_rows = options.hidden_fused_tile_rows;
+  const std::pair<bool, const char*> ranges[] = {
+      {options.logits_tile_rows < 0, "logits_tile_rows must be >= 0"},
+      {row_tile < 0 || row_tile > 8192 || row_tile % 64 != 0,
+       "hidden_row_tile must be 0 or a multiple of 64 <= 8192"},
+      {options.hidden_stats_chunks < 1 || options.hidden_stats_chunks > 64,
+       "hidden_stats_chunks must be in [1, 64]"},
+      {options.hidden_gemm_streams != 1 && options.hidden_gemm_streams != 2,
+       "hidden_gemm_streams must be 1 or 2"},
+      {options.hidden_slots < 1 || options.hidden_slots > cuda_internal::Rank::kMaxHiddenSlots,
+       "hidden_slots must be in [1, 4]"},
+      {options.hidden_stats_sms < 0, "hidden_stats_sms must be >= 0"},
+      {options.hidden_gemm_candidate < -1 || options.hidden_gemm_candidate > 31,
+       "hidden_gemm_candidate must be in [-1, 31]"},
+      {options.collective_timeout <= absl::ZeroDuration(), "collective_timeout must be > 0"},
+      {fused_rows < 0 || fused_rows % 128 != 0 || fused_rows > 65536,
+       "hidden_fused_tile_rows must be 0 or a multiple of 128 <= 65536"},
+  };
+  for (const auto& [bad, message] : ranges) {
+    if (bad) return absl::InvalidArgumentError(message);
   }
   std::optional<kc::HiddenCluster> fused_cluster;
   if (options.hidden_fused_cluster != "auto") {
@@ -598,14 +599,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
                                                                {"2x1", kc::HiddenCluster::k2x1},
                                                                {"1x2", kc::HiddenCluster::k1x2},
                                                                {"2x2", kc::HiddenCluster::k2x2}};
-    bool known = false;
     for (const auto& [name, c] : names) {
-      if (options.hidden_fused_cluster == name) {
-        fused_cluster = c;
-        known = true;
-      }
+      if (options.hidden_fused_cluster == name) fused_cluster = c;
     }
-    if (!known) {
+    if (!fused_cluster.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat("hidden_fused_cluster '",
                                                      options.hidden_fused_cluster,
                                                      "' is not one of auto, 1x1, 2x1, 1x2, 2x2"));
@@ -632,10 +629,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     int least_priority = 0, greatest_priority = 0;
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-    // The statistics stream first: its short kernels take SMs as GEMM blocks retire.
-    LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, greatest_priority));
-    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream.Create(rank->device));
-    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream_b.Create(rank->device));
+    // Statistics first (short kernels take SMs as GEMM blocks retire); GEMMs with hidden_stats_sms.
+    const bool gemms_first = options.hidden_stats_sms > 0 && least_priority > greatest_priority;
+    const int gemm_priority = gemms_first ? greatest_priority : 0;
+    const int stats_priority = gemms_first ? greatest_priority + 1 : greatest_priority;
+    LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, stats_priority));
+    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream.Create(rank->device, gemm_priority));
+    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_stream_b.Create(rank->device, gemm_priority));
     for (CudaStream& s : rank->stats_streams) {
       LOGITSERVE_RETURN_IF_ERROR(s.Create(rank->device, least_priority));
     }

@@ -101,12 +101,13 @@ struct CudaBackendOptions {
   // (logitserve-kernel-bench --hidden-configs), cuBLASLt's first-choice tiles: H 4096, row tile
   // 1024 with 2 chunks 31.8 ms (306 MB of workspace), 3: 32.7, 4: 31.8 (575 MB); row tile 512
   // with 4 chunks 33.4, 8: 34.5; row tile 2048 with 1-2 chunks 33.2-33.5. With the preferred
-  // 168 x 128 tiles, row tile 2048; two chunks a slot with one slot (hidden_slots) is the
-  // default: the same 64 MB a distribution as one chunk in each of two slots, and fewer, larger
-  // GEMMs and statistics launches taking turns (H200, H 2048: 16.70 / 16.75 ms against 17.37 /
-  // 17.49; H 4096 32.33 / 32.51 against 32.62 / 33.12; docs/performance-history.md). Never changes
-  // a result (the statistics are per block).
-  int hidden_stats_chunks = 2;
+  // 168 x 128 tiles, row tile 2048; two chunks a slot with one slot (hidden_slots) measured best
+  // while GEMMs and statistics took turns on the whole GPU (H200, H 2048: 16.70 / 16.75 ms against
+  // 17.37 / 17.49; H 4096 32.33 / 32.51 against 32.62 / 33.12; docs/performance-history.md). With
+  // SMs left to the statistics (hidden_stats_sms) one chunk in each of two slots is the default
+  // (the same 64 MB a distribution): see there. The GEMM shape is fixed per backend, so a row's
+  // bits do not depend on the batch.
+  int hidden_stats_chunks = 1;
   // Hidden mode with overlap_hidden_gemms, both distributions' hidden states: 2 = the reference
   // distribution's GEMMs on a stream of their own, beside the policy's, so that each chunk's two
   // GEMMs fill each other's last wave (one more 32 MiB cuBLASLt workspace per rank); 1 = both on
@@ -122,8 +123,23 @@ struct CudaBackendOptions {
   // little: a slot's statistics end just before the next slot's GEMMs (H200, H 2048, 2048-row
   // slots: one chunk every 217-221 us with two slots, against 180 us of GEMMs + 50 us of
   // statistics taking turns on one stream). With one slot of two chunks the turns are half as
-  // many. Three slots: no gain. Never changes a result.
-  int hidden_slots = 1;
+  // many. Three slots: no gain. With hidden_stats_sms the statistics of one slot run beside the
+  // GEMMs of the other: two is the default. Never changes a result.
+  int hidden_slots = 2;
+  // Hidden mode, cuBLASLt tiles: SMs the tile GEMMs leave to the statistics (0: none). cuBLASLt
+  // then plans each GEMM for the device's SMs minus this (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET),
+  // and the GEMM streams get a higher priority than the statistics stream, so that with
+  // hidden_slots >= 2 a slot's statistics read it on the SMs left free while the next slot's
+  // GEMMs run, instead of the two taking turns on the whole GPU. A GPU of at most twice this many
+  // SMs keeps them all for the GEMMs. N 8192, V 151936 pair, 2048-row tiles of one chunk, two
+  // slots, two GEMM streams (logitserve-kernel-bench --hidden-configs 2048:1:2s:slots2:freeN,
+  // alternated with the previous default 2048:2:2s:slots1:free0; docs/PERFORMANCE.md), H 4096:
+  // H100 8 SMs 29.75-30.33 ms against 31.03-33.80 (five pairs of five; 4 SMs 33.45, 12
+  // 31.01-32.50, 16 31.80-32.42); H200 29.02-30.53 against 29.64-32.99 (eight pairs of ten).
+  // H 2048 costs 1-2 % (H200, 16.60-17.01 against 16.43-16.65): the statistics need twice the
+  // rate there. The GEMM algorithm is chosen for this SM count and fixed per backend: a row's bits
+  // never depend on the batch (they may differ from a backend's with another value, by rounding).
+  int hidden_stats_sms = 8;
   // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
   // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
   // algorithm on fewer columns) rather than one per kCudaVocabChunk chunk: fewer, larger GEMMs,

@@ -52,6 +52,11 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
       g->desc_, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
   LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulDescSetAttribute(
       g->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  if (shape.sm_count > 0) {
+    const int32_t sms = shape.sm_count;
+    LOGITSERVE_RETURN_IF_CUDA_ERROR(cublasLtMatmulDescSetAttribute(
+        g->desc_, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
+  }
   // The column counts: the shape's, then (a slot of whole chunks) each smaller whole number of
   // chunks, which a head shard's last slot may hold.
   std::vector<int64_t> col_counts = {shape.cols};
@@ -166,8 +171,8 @@ absl::StatusOr<std::unique_ptr<CudaTileGemm>> CudaTileGemm::Create(cublasLtHandl
       AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), ", custom ",
       AlgoConfig<uint32_t>(r.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), ", cluster ",
       AlgoConfig<uint16_t>(r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), ", waves ", r.wavesCount,
-      ", workspace ", r.workspaceSize,
-      " B; short row tiles: ", short_tiles.empty() ? "none" : short_tiles);
+      ", workspace ", r.workspaceSize, " B, SM target ", shape.sm_count,
+      " (0: all); short row tiles: ", short_tiles.empty() ? "none" : short_tiles);
   return g;
 }
 

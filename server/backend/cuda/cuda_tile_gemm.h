@@ -63,6 +63,10 @@ struct TileGemmShape {
   // the first of kPreferredTileShapes offered, else the first; N >= 0 = the N-th (benchmarks try
   // them; Create fails when there are not that many).
   int candidate = -1;
+  // cuBLASLt's SM count target (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET): the SMs the GEMM is
+  // planned for, so that kernels on another stream keep the rest; 0 = every SM of the device.
+  // Part of the pinned configuration: fixed per backend, never per job.
+  int sm_count = 0;
 };
 
 // Tile shapes (cuBLASLt's m x n: vocabulary ids x rows) the tile GEMMs prefer among cuBLASLt's
