@@ -134,8 +134,8 @@ struct CudaBackendOptions {
   // SMs keeps them all for the GEMMs. N 8192, V 151936 pair, 2048-row tiles of one chunk, two
   // slots, two GEMM streams (logitserve-kernel-bench --hidden-configs 2048:1:2s:slots2:freeN,
   // alternated with the previous default 2048:2:2s:slots1:free0; docs/PERFORMANCE.md), H 4096:
-  // H100 8 SMs 29.75-30.33 ms against 31.03-33.80 (five pairs of five; 4 SMs 33.45, 12
-  // 31.01-32.50, 16 31.80-32.42); H200 29.02-30.53 against 29.64-32.99 (eight pairs of ten).
+  // H100 8 SMs 29.75-30.33 ms against 31.03-33.80 (four runs, six; 4 SMs 33.45, 12
+  // 31.01-32.50, 16 31.80-32.42); H200 29.02-31.54 against 29.64-32.99 (faster in 8 of 11 pairs).
   // H 2048 costs 1-2 % (H200, 16.60-17.01 against 16.43-16.65): the statistics need twice the
   // rate there. The GEMM algorithm is chosen for this SM count and fixed per backend: a row's bits
   // never depend on the batch (they may differ from a backend's with another value, by rounding).
