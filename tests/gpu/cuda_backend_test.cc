@@ -77,14 +77,23 @@ std::unique_ptr<Backend> Cpu() {
 }
 
 // GPU 0 cut into `shards` vocabulary shards (0 = one) with logits-mode row tiles of `tile_rows`
-// (0 = by job).
-absl::StatusOr<std::unique_ptr<Backend>> TiledCuda(int shards, int64_t tile_rows) {
+// (0 = by job) and `message_slots` slots in their pipeline.
+absl::StatusOr<std::unique_ptr<Backend>> TiledCuda(int shards, int64_t tile_rows,
+                                                   int message_slots = 2) {
   CudaBackendOptions o;
   o.devices = {0};
   o.shards = shards;
   o.logits_tile_rows = tile_rows;
+  o.logits_message_slots = message_slots;
   return CreateCudaBackend(o);
 }
+
+// (logits_tile_rows, logits_message_slots) pairs: every tile size with the default two slots,
+// then the many-tile ones with four.
+struct TileConfig {
+  int64_t rows;
+  int slots;
+};
 
 // Worst |gpu - cpu| / (1 + |cpu|) of one output; NaN and infinities must match exactly.
 void CompareOutput(const std::string& name, const std::vector<float>& gpu,
@@ -605,9 +614,11 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   // too. (The reference reads host memory only.)
   std::vector<ScoreResult> baseline;
   for (int shards : {1, 2}) {
-    for (int64_t tile_rows : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{16}}) {
-      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
-      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows);
+    for (const TileConfig t : {TileConfig{0, 2}, TileConfig{1, 2}, TileConfig{3, 2},
+                               TileConfig{16, 2}, TileConfig{1, 4}, TileConfig{3, 4}}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(t.rows) +
+                   ", message slots " + std::to_string(t.slots));
+      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, t.rows, t.slots);
       ASSERT_TRUE(b.ok()) << b.status();
       for (size_t i = 0; i < std::size(jobs); ++i) {
         SCOPED_TRACE(names[i]);
@@ -670,9 +681,12 @@ TEST(CudaDeterminism, LargeOutputsCopiedByThreads) {
 
   std::unique_ptr<ScoreResult> baseline;
   for (int shards : {1, 2}) {
-    for (int64_t tile_rows : {int64_t{8192}, int64_t{0}, int64_t{7}, int64_t{300}}) {
-      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
-      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows);
+    for (const TileConfig t : {TileConfig{8192, 2}, TileConfig{0, 2}, TileConfig{7, 2},
+                               TileConfig{300, 2}, TileConfig{7, 4}, TileConfig{300, 3}}) {
+      const int64_t tile_rows = t.rows;
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows) +
+                   ", message slots " + std::to_string(t.slots));
+      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows, t.slots);
       ASSERT_TRUE(b.ok()) << b.status();
       LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
       LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
@@ -1222,6 +1236,11 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
   CudaBackendOptions stats_sms;
   stats_sms.hidden_stats_sms = -1;
   EXPECT_EQ(CreateCudaBackend(stats_sms).status().code(), absl::StatusCode::kInvalidArgument);
+  for (int slots : {1, 5}) {
+    CudaBackendOptions o;
+    o.logits_message_slots = slots;
+    EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kInvalidArgument) << slots;
+  }
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->name(), "cuda");

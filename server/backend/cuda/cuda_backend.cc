@@ -264,12 +264,10 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   const int ranks = static_cast<int>(ranks_.size());
   p.shards.ranks = ranks;
   for (int r = 0; r < ranks; ++r) {
+    const ShardRange& range = p.layout[static_cast<size_t>(r)];
     // Rounded up: an empty trailing shard begins at `vocab`, which need not be a block boundary.
-    p.shards.begin[r] =
-        static_cast<int32_t>(CeilDiv(p.layout[static_cast<size_t>(r)].begin, k::kVocabBlock));
-    p.max_blocks = std::max(p.max_blocks, CeilDiv(p.layout[static_cast<size_t>(r)].end -
-                                                      p.layout[static_cast<size_t>(r)].begin,
-                                                  k::kVocabBlock));
+    p.shards.begin[r] = static_cast<int32_t>(CeilDiv(range.begin, k::kVocabBlock));
+    p.max_blocks = std::max(p.max_blocks, CeilDiv(range.end - range.begin, k::kVocabBlock));
   }
   p.num_blocks = k::NumBlocks(job.vocab);
   p.shards.begin[ranks] = static_cast<int32_t>(p.num_blocks);
@@ -298,8 +296,8 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     const int dev = ranks_[static_cast<size_t>(r)]->device;
     p.model_zero_copy[static_cast<size_t>(r)] = model_dev >= 0 && model_dev == dev;
     p.ref_zero_copy[static_cast<size_t>(r)] = ref_dev >= 0 && ref_dev == dev;
-    const int64_t width =
-        RoundUp(p.layout[static_cast<size_t>(r)].end - p.layout[static_cast<size_t>(r)].begin, 8);
+    const ShardRange& range = p.layout[static_cast<size_t>(r)];
+    const int64_t width = RoundUp(range.end - range.begin, 8);
     int64_t bytes = 0;
     if (!job.model.hidden_mode() && !p.model_zero_copy[static_cast<size_t>(r)]) {
       bytes += width * k::SizeOf(job.model.logits.type);
@@ -369,6 +367,7 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     p.tile_rows = std::clamp<int64_t>(std::min(rows, job.rows), 1, kMaxLogitsTileRows);
   }
   p.msg = kc::MakeTileMessage(p.tile_rows, p.max_blocks, job.top_k, job.ids_per_row);
+  p.message_slots = p.any_hidden ? 2 : options_.logits_message_slots;
   return p;
 }
 
@@ -436,9 +435,8 @@ absl::Status CudaBackend::Score(const ScoreJob& job, ScoreResult* result) {
     return fatal_.status();
   }
   // The failing rank's own status (the others report PeerFailed).
-  if (const int culprit = failure.rank(); culprit >= 0) {
-    return status[static_cast<size_t>(culprit)];
-  }
+  const int failed_rank = failure.rank();
+  if (failed_rank >= 0) return status[static_cast<size_t>(failed_rank)];
   for (const auto& s : status) {
     if (!s.ok()) return s;
   }
@@ -465,9 +463,8 @@ void CudaBackend::ShutDownAfterFatalError() {
   // Bounded: the job's caller is waiting, and the process is about to exit anyway.
   const absl::Duration bound = std::min(options_.collective_timeout, absl::Seconds(10));
   AbortNcclCommunicators(nccl, bound);
-  // What the aborted collectives held up may now finish; wait a little for it (a sticky error
-  // answers at once), since the request's memory is released when Score returns.
-  const absl::Duration drain = bound;
+  // What the aborted collectives held up may now finish; wait a little (`bound`) for it (a sticky
+  // error answers at once), since the request's memory is released when Score returns.
   for (auto& r : ranks_) {
     DeviceGuard guard(r->device);
     if (!guard.status().ok() || !JoinSideStreams(*r, /*with_copies=*/true).ok() ||
@@ -480,7 +477,7 @@ void CudaBackend::ShutDownAfterFatalError() {
           if (q == cudaErrorNotReady) return false;
           return true;  // done, or an error: either way nothing more to wait for
         },
-        drain, nullptr, "drain");
+        bound, nullptr, "drain");
   }
 }
 
@@ -575,6 +572,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   const int64_t row_tile = options.hidden_row_tile, fused_rows = options.hidden_fused_tile_rows;
   const std::pair<bool, const char*> ranges[] = {
       {options.logits_tile_rows < 0, "logits_tile_rows must be >= 0"},
+      {options.logits_message_slots < 2 ||
+           options.logits_message_slots > cuda_internal::Rank::kMaxMessageSlots,
+       "logits_message_slots must be in [2, 4]"},
       {row_tile < 0 || row_tile > 8192 || row_tile % 64 != 0,
        "hidden_row_tile must be 0 or a multiple of 64 <= 8192"},
       {options.hidden_stats_chunks < 1 || options.hidden_stats_chunks > 64,

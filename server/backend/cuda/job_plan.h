@@ -94,6 +94,9 @@ struct JobPlan {
   // Logits slots per distribution of the cuBLASLt-tile path (CudaBackendOptions::hidden_slots).
   int hidden_slots = 1;
   int64_t tile_rows = 0;  // rows per tile (the last tile may hold fewer)
+  // Logits mode (and fused hidden mode, always 2): tile t's message slot is t % message_slots
+  // (CudaBackendOptions::logits_message_slots).
+  int message_slots = 2;
   // Vocabulary columns per statistics launch (hidden mode: the slot width, a whole number of GEMM
   // chunks, CudaBackendOptions::hidden_stats_chunks).
   int64_t chunk_cols = 0;

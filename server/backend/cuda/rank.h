@@ -92,15 +92,16 @@ struct Rank {
   std::array<CudaEvent, kMaxHiddenSlots> slot_filled_b;
   CudaEvent gemm_idle_b;
   // Logits mode's row-tile pipeline (RankWorker::ComputeTile): the statistics of tile t run on
-  // stats_streams[t % 2] (low priority) into message slot t % 2 while `stream` runs the tail of
-  // tile t - 1 (gather, top-k selection, all-gather, fold, JSD pass); copy_stream brings each
-  // tile's outputs back to pinned memory while later tiles compute.
+  // stats_streams[t % 2] (low priority) into message slot t % JobPlan::message_slots while
+  // `stream` runs the tail of tile t - 1 (gather, top-k selection, all-gather, fold, JSD pass);
+  // copy_stream brings each tile's outputs back to pinned memory while later tiles compute.
+  static constexpr int kMaxMessageSlots = 4;
   std::array<CudaStream, 2> stats_streams;
   CudaStream copy_stream;
-  std::array<CudaEvent, 2> stats_done;    // stats_streams[s]: slot s holds its tile's records
-  std::array<CudaEvent, 2> message_free;  // stream: the tail is done with slot s
-  CudaEvent outputs_ready;                // stream: the tile's outputs are written
-  std::array<CudaEvent, 3> side_idle;     // joins stats_streams[0], [1] and copy_stream into stream
+  std::array<CudaEvent, kMaxMessageSlots> stats_done;    // slot s holds its tile's records
+  std::array<CudaEvent, kMaxMessageSlots> message_free;  // stream: the tail is done with slot s
+  CudaEvent outputs_ready;                               // stream: the tile's outputs are written
+  std::array<CudaEvent, 3> side_idle;  // joins stats_streams[0], [1] and copy_stream into stream
   // Hidden mode's cuBLASLt tiles: tile t's hidden rows go up on upload_stream into raw buffer
   // t % 2 (RankWorker::BeginTile), so that tile t + 1's upload runs beside tile t's GEMMs instead
   // of before them on the GEMM stream (16 MiB a 2048-row tile at H = 4096: ~0.33 ms, 8 % of

@@ -239,13 +239,14 @@ class RankWorker final : public ShardedRank {
   const int64_t num_tiles_;
   ScoreResult* const result_;
   int64_t copied_ = 0;  // reporting rank: tiles [0, copied_) are in result_
-  int slot_ = 0;        // the current tile's message slot (logits mode: tile % 2; hidden mode: 0)
+  int slot_ = 0;  // the tile's message slot (logits mode: tile % message_slots; hidden mode: 0)
 
   Dist model_, ref_;
-  std::array<uint8_t*, 2> send_{};  // this rank's message, per slot
-  uint8_t* recv_ = nullptr;         // every rank's message (more than one rank)
+  std::array<uint8_t*, Rank::kMaxMessageSlots> send_{};  // this rank's message, per slot
+  uint8_t* recv_ = nullptr;  // every rank's message (more than one rank)
   float* partial_send_ = nullptr;
-  std::array<float*, 2> topk_scratch_{};  // the top-k kernels' lane maxima of one source, per slot
+  // The top-k kernels' lane maxima of one source, per message slot.
+  std::array<float*, Rank::kMaxMessageSlots> topk_scratch_{};
   float* partial_recv_ = nullptr;
   k::RowStats* folded_a_ = nullptr;
   k::RowStats* folded_b_ = nullptr;
