@@ -461,6 +461,29 @@ std::vector<BackendFactory> Layouts() {
   return f;
 }
 
+// Layouts() (one GPU) with slots of two GEMM chunks, one slot, and no SMs left to the statistics
+// (the tile defaults before hidden_stats_sms): whole-slot GEMMs of 16384 ids, and a head shard's
+// narrower last slot.
+std::vector<BackendFactory> TwoChunkSlotLayouts() {
+  std::vector<BackendFactory> f;
+  for (const auto& [name, shards, weights] :
+       {std::tuple<const char*, int, std::vector<int64_t>>{"two_chunks_one_gpu", 1, {}},
+        {"two_chunks_shards_1_0_2_one_gpu", 3, {1, 0, 2}}}) {
+    f.push_back(BackendFactory{name, [shards = shards, weights = weights]() {
+                                 CudaBackendOptions o;
+                                 o.devices = {0};
+                                 o.shards = shards;
+                                 o.shard_weights = weights;
+                                 o.hidden_fused_max_hidden = 0;
+                                 o.hidden_stats_chunks = 2;
+                                 o.hidden_slots = 1;
+                                 o.hidden_stats_sms = 0;
+                                 return CreateCudaBackend(o);
+                               }});
+  }
+  return f;
+}
+
 // Layouts() through the fused hidden-mode kernel (CudaBackendOptions::hidden_fused), in 512-row
 // pipelined tiles (an 1100-row job: three, the last partial); the path's own bits must agree
 // across them as the cuBLASLt path's do. The default cluster choice ("auto") runs the full tiles
@@ -473,12 +496,13 @@ std::vector<BackendFactory> FusedLayouts() {
     std::vector<int64_t> weights;
     std::vector<int> devices;
     const char* cluster;
+    int message_slots;  // logits mode's (a fused job keeps its two whatever this says)
   };
-  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}, "auto"},
-                       {"fused_one_gpu_2x2", 1, {}, {0}, "2x2"},
-                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}, "auto"},
-                       {"fused_shards_2_1_0", 3, {2, 1, 0}, {0}, "auto"}};
-  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}, "auto"});
+  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}, "auto", 2},
+                       {"fused_one_gpu_2x2", 1, {}, {0}, "2x2", 2},
+                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}, "auto", 2},
+                       {"fused_shards_2_1_0_four_message_slots", 3, {2, 1, 0}, {0}, "auto", 4}};
+  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}, "auto", 2});
   std::vector<BackendFactory> f;
   for (const L& l : ls) {
     f.push_back(BackendFactory{l.name, [l]() {
@@ -489,6 +513,7 @@ std::vector<BackendFactory> FusedLayouts() {
                                  o.hidden_fused = true;
                                  o.hidden_fused_tile_rows = 512;
                                  o.hidden_fused_cluster = l.cluster;
+                                 o.logits_message_slots = l.message_slots;
                                  return CreateCudaBackend(o);
                                }});
   }
@@ -614,8 +639,9 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   // too. (The reference reads host memory only.)
   std::vector<ScoreResult> baseline;
   for (int shards : {1, 2}) {
-    for (const TileConfig t : {TileConfig{0, 2}, TileConfig{1, 2}, TileConfig{3, 2},
-                               TileConfig{16, 2}, TileConfig{1, 4}, TileConfig{3, 4}}) {
+    for (const TileConfig t :
+         {TileConfig{0, 2}, TileConfig{1, 2}, TileConfig{3, 2}, TileConfig{16, 2}, TileConfig{1, 4},
+          TileConfig{3, 4}, TileConfig{16, 3}}) {
       SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(t.rows) +
                    ", message slots " + std::to_string(t.slots));
       absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, t.rows, t.slots);
@@ -749,8 +775,11 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
     std::copy(ids.begin(), ids.end(), b.ids.begin() + pos * 3);
     batches.push_back(std::move(b));
   }
-  // Each hidden-mode path has its own bits (they agree to rounding: CudaHiddenPaths).
-  for (const std::vector<BackendFactory>& layouts : {Layouts(), FusedLayouts()}) {
+  // Each hidden-mode path has its own bits (they agree to rounding: CudaHiddenPaths), and so has
+  // each tile GEMM configuration (the previous defaults: GEMMs of two chunks planned for every
+  // SM, one slot).
+  for (const std::vector<BackendFactory>& layouts :
+       {Layouts(), FusedLayouts(), TwoChunkSlotLayouts()}) {
     std::unique_ptr<ScoreResult> baseline;
     for (const BackendFactory& f : layouts) {
       SCOPED_TRACE(f.name);

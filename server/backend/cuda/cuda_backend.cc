@@ -122,7 +122,7 @@ class CudaBackend final : public Backend {
   TileGemmShape SlotGemmShape(bool whole_slot, int device_sms) const {
     TileGemmShape s{HiddenRowTile(), whole_slot ? SlotCols() : kCudaVocabChunk, SlotCols()};
     s.candidate = options_.hidden_gemm_candidate;
-    if (options_.hidden_stats_sms > 0 && device_sms > 2 * options_.hidden_stats_sms) {
+    if (options_.hidden_stats_sms > 0 && device_sms / 2 > options_.hidden_stats_sms) {
       s.sm_count = device_sms - options_.hidden_stats_sms;
     }
     return s;
@@ -630,7 +630,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
     // Statistics first (short kernels take SMs as GEMM blocks retire); GEMMs with hidden_stats_sms.
-    const bool gemms_first = options.hidden_stats_sms > 0 && least_priority > greatest_priority;
+    const bool gemms_first = options.hidden_stats_sms > 0 && least_priority > greatest_priority + 1;
     const int gemm_priority = gemms_first ? greatest_priority : 0;
     const int stats_priority = gemms_first ? greatest_priority + 1 : greatest_priority;
     LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, stats_priority));

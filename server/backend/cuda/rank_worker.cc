@@ -628,7 +628,7 @@ absl::Status RankWorker::EndTile(int64_t tile) {
     LOGITSERVE_RETURN_IF_ERROR(InjectFault());
   }
   const bool last = tile + 1 == num_tiles_;
-  if (pipelined() && !last) {  // the statistics of tile + 2 (staging: tile + 1) wait for it
+  if (pipelined() && !last) {  // the statistics of tile + n (staging: tile + 1) wait for it
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaEventRecord(rank_.message_free[static_cast<size_t>(slot_)].get(), stream()));
   }

@@ -8,12 +8,13 @@
 // streams; WaitTile / EndTile keep at most kTileEvents tiles queued ahead of the host.
 //
 // Logits mode runs the tiles as a software pipeline (Rank's stats_streams): tile t's statistics
-// (message slot t % 2, lane maxima t % 2) on stats_streams[t % 2], its tail on `stream`, its
-// output slices on copy_stream, joined by events only: the host never waits for a tile to queue
-// the next. What the tail of tile t reads and the statistics of tile t + 1 would overwrite is
-// double-buffered (the message, the lane maxima); what only the tail touches (gathered messages,
-// folded rows, JSD partials) is single, the tail being one stream in tile order; the staging of
-// copied logits is single too, its next copy waiting for the previous tail.
+// (message slot and lane maxima t % n, n = JobPlan::message_slots) on stats_streams[t % 2], its
+// tail on `stream`, its output slices on copy_stream, joined by events only: the host never waits
+// for a tile to queue the next. What the tail of tile t reads and the statistics of tiles t + 1
+// ... t + n - 1 would overwrite is n-buffered (the message, the lane maxima); what only the tail
+// touches (gathered messages, folded rows, JSD partials) is single, the tail being one stream in
+// tile order; the staging of copied logits is single too, its next copy waiting for the previous
+// tail.
 //
 // Thread safety: one thread per worker; workers of one job meet only through JobFailure, the
 // communicator and the shared read-only JobPlan.
