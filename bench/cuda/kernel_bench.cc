@@ -754,13 +754,13 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cublasLtCreate(&lt));
       logitserve::TileGemmShape shape{gemm_rows, gemm_cols, gemm_cols};
       shape.candidate = candidate;
-      if (free_sms >= prop.multiProcessorCount) {
-        std::printf("  --tile-gemm-free %d: the GPU has %d SMs\n", free_sms,
-                    prop.multiProcessorCount);
+      shape.sm_count = logitserve::TileGemmSmCount(prop.multiProcessorCount, free_sms);
+      if (free_sms > 0 && shape.sm_count == 0) {
+        std::printf("  --tile-gemm-free %d: the backend would keep every one of the GPU's %d SMs\n",
+                    free_sms, prop.multiProcessorCount);
         cublasLtDestroy(lt);
         return false;
       }
-      if (free_sms > 0) shape.sm_count = prop.multiProcessorCount - free_sms;
       auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8, shape);
       if (!gemm.ok()) {
         std::printf("  %ld x %ld, candidate %d: %s\n", static_cast<long>(gemm_rows),

@@ -122,9 +122,7 @@ class CudaBackend final : public Backend {
   TileGemmShape SlotGemmShape(bool whole_slot, int device_sms) const {
     TileGemmShape s{HiddenRowTile(), whole_slot ? SlotCols() : kCudaVocabChunk, SlotCols()};
     s.candidate = options_.hidden_gemm_candidate;
-    if (options_.hidden_stats_sms > 0 && device_sms / 2 > options_.hidden_stats_sms) {
-      s.sm_count = device_sms - options_.hidden_stats_sms;
-    }
+    s.sm_count = TileGemmSmCount(device_sms, options_.hidden_stats_sms);
     return s;
   }
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
@@ -642,17 +640,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     LOGITSERVE_RETURN_IF_ERROR(rank->copy_stream.Create(rank->device, greatest_priority));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_stream.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_idle.Create(rank->device));
-    for (auto* events : {&rank->stats_done, &rank->message_free}) {
-      for (CudaEvent& e : *events) {
-        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
-      }
+    for (CudaEvent& e : rank->stats_done) {
+      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->outputs_ready.Create(rank->device));
     for (CudaEvent& e : rank->side_idle) {
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
-    for (auto* events : {&rank->slot_filled, &rank->slot_free, &rank->slot_filled_b,
-                         &rank->raw_ready, &rank->raw_free}) {
+    for (auto* events : {&rank->message_free, &rank->slot_filled, &rank->slot_free,
+                         &rank->slot_filled_b, &rank->raw_ready, &rank->raw_free}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
       }

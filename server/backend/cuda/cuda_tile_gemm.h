@@ -69,6 +69,13 @@ struct TileGemmShape {
   int sm_count = 0;
 };
 
+// TileGemmShape::sm_count for a GPU of `device_sms` SMs that leaves `free_sms` of them to other
+// streams (CudaBackendOptions::hidden_stats_sms): 0 (every SM) when none is left free or when that
+// would take half of the GPU or more.
+inline int TileGemmSmCount(int device_sms, int free_sms) {
+  return free_sms > 0 && device_sms / 2 > free_sms ? device_sms - free_sms : 0;
+}
+
 // Tile shapes (cuBLASLt's m x n: vocabulary ids x rows) the tile GEMMs prefer among cuBLASLt's
 // heuristic results, in this order. H200, CUDA 13.0, the pipeline's GEMMs alone (N 8192, V 151936
 // pair, logitserve-kernel-bench --tile-gemm-candidates 6): cuBLASLt's first choice for 1024 x 16384

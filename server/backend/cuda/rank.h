@@ -98,7 +98,7 @@ struct Rank {
   static constexpr int kMaxMessageSlots = 4;
   std::array<CudaStream, 2> stats_streams;
   CudaStream copy_stream;
-  std::array<CudaEvent, kMaxMessageSlots> stats_done;    // slot s holds its tile's records
+  std::array<CudaEvent, 2> stats_done;  // stats_streams[i]: its tile's records are written
   std::array<CudaEvent, kMaxMessageSlots> message_free;  // stream: the tail is done with slot s
   CudaEvent outputs_ready;                               // stream: the tile's outputs are written
   std::array<CudaEvent, 3> side_idle;  // joins stats_streams[0], [1] and copy_stream into stream

@@ -392,7 +392,8 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
   slot_ = static_cast<int>(tile % slots);
   const size_t s = static_cast<size_t>(slot_);
   const bool single = single_logits_tile();
-  const cudaStream_t stats = single ? stream() : rank_.stats_streams[tile % 2].get();
+  const size_t side = static_cast<size_t>(tile % 2);  // the statistics stream (and its event)
+  const cudaStream_t stats = single ? stream() : rank_.stats_streams[side].get();
   auto wait = [](cudaStream_t waiter, const CudaEvent& e) {
     return CudaStatus(cudaStreamWaitEvent(waiter, e.get(), 0), "cudaStreamWaitEvent", __FILE__,
                       __LINE__);
@@ -465,8 +466,8 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
     }
     if (!single) {
       // The tail, on `stream`: behind the previous tile's tail, and this tile's statistics.
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.stats_done[s].get(), stats));
-      LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[s]));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(cudaEventRecord(rank_.stats_done[side].get(), stats));
+      LOGITSERVE_RETURN_IF_ERROR(wait(stream(), rank_.stats_done[side]));
     }
     LOGITSERVE_RETURN_IF_ERROR(IssueUploads());
     JobTrace::Mark("tail begin", stream());
