@@ -278,8 +278,8 @@ int main(int argc, char** argv) {
                  "split-K (the backend pins the first with a preferred tile shape)");
   app.add_option("--tile-gemm-free", tile_gemm_free,
                  "hidden mode: time the tile GEMMs alone planned for the GPU's SMs minus each of "
-                 "these (cuBLASLt's SM count target; 0 = every SM; default: the backend's "
-                 "hidden_stats_sms)")
+                 "these (cuBLASLt's SM count target; 0 = every SM; -1 = by hidden size; default: "
+                 "the backend's hidden_stats_sms)")
       ->delimiter(',');
   app.add_option("--hidden-configs", hidden_configs,
                  "hidden mode: also run the 1-GPU Score with these "
@@ -748,12 +748,15 @@ int main(int argc, char** argv) {
 
     // The pipeline's own GEMMs alone: its fixed row tile x one slot (or one chunk) x H, as many
     // as one job runs (and, for comparison, other shapes: --tile-gemm-rows, --tile-gemm-cols).
+    const int default_free_sms = logitserve::HiddenStatsSms(
+        logitserve::CudaBackendOptions{}.hidden_stats_sms, (hidden + 7) / 8 * 8);
     auto time_tile_gemms = [&](int64_t gemm_rows, int64_t gemm_cols, int candidate,
                                int free_sms) -> bool {
       cublasLtHandle_t lt;
       CHECK_CUDA(cublasLtCreate(&lt));
       logitserve::TileGemmShape shape{gemm_rows, gemm_cols, gemm_cols};
       shape.candidate = candidate;
+      free_sms = logitserve::HiddenStatsSms(free_sms, (hidden + 7) / 8 * 8);
       shape.sm_count = logitserve::TileGemmSmCount(prop.multiProcessorCount, free_sms);
       if (free_sms > 0 && shape.sm_count == 0) {
         std::printf("  --tile-gemm-free %d: the backend would keep every one of the GPU's %d SMs\n",
@@ -788,8 +791,7 @@ int main(int argc, char** argv) {
         }
       });
       const bool pipeline = gemm_rows == logitserve::kCudaRowTile && gemm_cols == slot_cols &&
-                            candidate < 0 &&
-                            free_sms == logitserve::CudaBackendOptions{}.hidden_stats_sms;
+                            candidate < 0 && free_sms == default_free_sms;
       std::printf(
           "%s tile GEMMs alone (%ld x %ldx%ldx%ld, zeros): %.3f ms = %.3f x the bare "
           "GEMMs\n  %s\n",

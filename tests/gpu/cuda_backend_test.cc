@@ -1263,7 +1263,7 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
     EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kInvalidArgument) << slots;
   }
   CudaBackendOptions stats_sms;
-  stats_sms.hidden_stats_sms = -1;
+  stats_sms.hidden_stats_sms = -2;
   EXPECT_EQ(CreateCudaBackend(stats_sms).status().code(), absl::StatusCode::kInvalidArgument);
   for (int slots : {1, 5}) {
     CudaBackendOptions o;

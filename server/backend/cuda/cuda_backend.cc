@@ -119,10 +119,10 @@ class CudaBackend final : public Backend {
     return options_.hidden_row_tile > 0 ? options_.hidden_row_tile : kCudaRowTile;
   }
   int64_t SlotCols() const { return options_.hidden_stats_chunks * kCudaVocabChunk; }
-  TileGemmShape SlotGemmShape(bool whole_slot, int device_sms) const {
+  TileGemmShape SlotGemmShape(bool whole_slot, int device_sms, int64_t k_pad) const {
     TileGemmShape s{HiddenRowTile(), whole_slot ? SlotCols() : kCudaVocabChunk, SlotCols()};
     s.candidate = options_.hidden_gemm_candidate;
-    s.sm_count = TileGemmSmCount(device_sms, options_.hidden_stats_sms);
+    s.sm_count = TileGemmSmCount(device_sms, HiddenStatsSms(options_.hidden_stats_sms, k_pad));
     return s;
   }
   absl::StatusOr<JobPlan> Plan(const ScoreJob& job) const;
@@ -156,10 +156,10 @@ absl::StatusOr<std::shared_ptr<const CudaTileGemm>> CudaBackend::GemmFor(int dev
   LtHandle lt;  // its own handle: the ranks' handles may be busy in a concurrent Score
   LOGITSERVE_RETURN_IF_ERROR(lt.Create());
   absl::StatusOr<std::unique_ptr<CudaTileGemm>> gemm =
-      CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(options_.hidden_slot_gemms, sms));
+      CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(options_.hidden_slot_gemms, sms, k_pad));
   if (!gemm.ok() && options_.hidden_slot_gemms &&
       absl::IsFailedPrecondition(gemm.status())) {  // no algorithm for every slot width
-    gemm = CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(false, sms));
+    gemm = CudaTileGemm::Create(lt.get(), k_pad, SlotGemmShape(false, sms, k_pad));
   }
   LOGITSERVE_RETURN_IF_ERROR(gemm.status());
   std::shared_ptr<const CudaTileGemm> shared = std::move(*gemm);
@@ -581,7 +581,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
        "hidden_gemm_streams must be 1 or 2"},
       {options.hidden_slots < 1 || options.hidden_slots > cuda_internal::Rank::kMaxHiddenSlots,
        "hidden_slots must be in [1, 4]"},
-      {options.hidden_stats_sms < 0, "hidden_stats_sms must be >= 0"},
+      {options.hidden_stats_sms < -1, "hidden_stats_sms must be >= -1"},
       {options.hidden_gemm_candidate < -1 || options.hidden_gemm_candidate > 31,
        "hidden_gemm_candidate must be in [-1, 31]"},
       {options.collective_timeout <= absl::ZeroDuration(), "collective_timeout must be > 0"},
@@ -628,7 +628,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     LOGITSERVE_RETURN_IF_CUDA_ERROR(
         cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
     // Statistics first (short kernels take SMs as GEMM blocks retire); GEMMs with hidden_stats_sms.
-    const bool gemms_first = options.hidden_stats_sms > 0 && least_priority > greatest_priority + 1;
+    const bool gemms_first =
+        options.hidden_stats_sms != 0 && least_priority > greatest_priority + 1;
     const int gemm_priority = gemms_first ? greatest_priority : 0;
     const int stats_priority = gemms_first ? greatest_priority + 1 : greatest_priority;
     LOGITSERVE_RETURN_IF_ERROR(rank->stream.Create(rank->device, stats_priority));

@@ -135,20 +135,21 @@ struct CudaBackendOptions {
   // many. Three slots: no gain. With hidden_stats_sms the statistics of one slot run beside the
   // GEMMs of the other: two is the default. Never changes a result.
   int hidden_slots = 2;
-  // Hidden mode, cuBLASLt tiles: SMs the tile GEMMs leave to the statistics (0: none). cuBLASLt
-  // then plans each GEMM for the device's SMs minus this (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET),
-  // and the GEMM streams get a higher priority than the statistics stream, so that with
-  // hidden_slots >= 2 a slot's statistics read it on the SMs left free while the next slot's
-  // GEMMs run, instead of the two taking turns on the whole GPU. A GPU of at most twice this many
-  // SMs keeps them all for the GEMMs. N 8192, V 151936 pair, 2048-row tiles of one chunk, two
-  // slots, two GEMM streams (logitserve-kernel-bench --hidden-configs 2048:1:2s:slots2:freeN,
-  // alternated with the previous default 2048:2:2s:slots1:free0; docs/PERFORMANCE.md), H 4096:
-  // H100 8 SMs 29.75-30.33 ms against 31.03-33.80 (four runs, six; 4 SMs 33.45, 12
-  // 31.01-32.50, 16 31.80-32.42); H200 29.02-31.54 against 29.64-32.99 (faster in 8 of 11 pairs).
-  // H 2048 costs 1-2 % (H200, 16.60-17.01 against 16.43-16.65): the statistics need twice the
-  // rate there. The GEMM algorithm is chosen for this SM count and fixed per backend: a row's bits
-  // never depend on the batch (they may differ from a backend's with another value, by rounding).
-  int hidden_stats_sms = 8;
+  // Hidden mode, cuBLASLt tiles: SMs the tile GEMMs leave to the statistics (0: none; -1, the
+  // default: by the head's hidden size, 24 for H <= 2048 and 8 above, HiddenStatsSms in
+  // cuda_tile_gemm.h, which says what was measured). cuBLASLt then plans each GEMM for the
+  // device's SMs minus this (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), and the GEMM streams get a
+  // higher priority than the statistics stream, so that with hidden_slots >= 2 a slot's
+  // statistics read it on the SMs left free while the next slot's GEMMs run, instead of the two
+  // taking turns on the whole GPU. A GPU of at most twice this many SMs keeps them all for the
+  // GEMMs. N 8192, V 151936 pair, 2048-row tiles of one chunk, two slots, two GEMM streams
+  // (logitserve-kernel-bench --hidden-configs 2048:1:2s:slots2:freeN, alternated with the
+  // previous default 2048:2:2s:slots1:free0; docs/PERFORMANCE.md), H 4096: H100 8 SMs
+  // 29.75-30.33 ms against 31.03-33.80 (four runs, six; 4 SMs 33.45, 12 31.01-32.50, 16
+  // 31.80-32.42); H200 29.02-31.54 against 29.64-32.99 (faster in 8 of 11 pairs). The GEMM
+  // algorithm is chosen for this SM count and fixed per head: a row's bits never depend on the
+  // batch (they may differ from a backend's with another value, by rounding).
+  int hidden_stats_sms = -1;
   // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
   // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
   // algorithm on fewer columns) rather than one per kCudaVocabChunk chunk: fewer, larger GEMMs,
