@@ -748,15 +748,16 @@ int main(int argc, char** argv) {
 
     // The pipeline's own GEMMs alone: its fixed row tile x one slot (or one chunk) x H, as many
     // as one job runs (and, for comparison, other shapes: --tile-gemm-rows, --tile-gemm-cols).
-    const int default_free_sms = logitserve::HiddenStatsSms(
-        logitserve::CudaBackendOptions{}.hidden_stats_sms, (hidden + 7) / 8 * 8);
+    const int64_t k_pad = (hidden + 7) / 8 * 8;  // the backend's padded hidden size
+    const int default_free_sms =
+        logitserve::HiddenStatsSms(logitserve::CudaBackendOptions{}.hidden_stats_sms, k_pad);
     auto time_tile_gemms = [&](int64_t gemm_rows, int64_t gemm_cols, int candidate,
                                int free_sms) -> bool {
       cublasLtHandle_t lt;
       CHECK_CUDA(cublasLtCreate(&lt));
       logitserve::TileGemmShape shape{gemm_rows, gemm_cols, gemm_cols};
       shape.candidate = candidate;
-      free_sms = logitserve::HiddenStatsSms(free_sms, (hidden + 7) / 8 * 8);
+      free_sms = logitserve::HiddenStatsSms(free_sms, k_pad);
       shape.sm_count = logitserve::TileGemmSmCount(prop.multiProcessorCount, free_sms);
       if (free_sms > 0 && shape.sm_count == 0) {
         std::printf("  --tile-gemm-free %d: the backend would keep every one of the GPU's %d SMs\n",
@@ -764,7 +765,7 @@ int main(int argc, char** argv) {
         cublasLtDestroy(lt);
         return false;
       }
-      auto gemm = logitserve::CudaTileGemm::Create(lt, (hidden + 7) / 8 * 8, shape);
+      auto gemm = logitserve::CudaTileGemm::Create(lt, k_pad, shape);
       if (!gemm.ok()) {
         std::printf("  %ld x %ld, candidate %d: %s\n", static_cast<long>(gemm_rows),
                     static_cast<long>(gemm_cols), candidate, gemm.status().ToString().c_str());

@@ -65,7 +65,7 @@ struct TileGemmShape {
   int candidate = -1;
   // cuBLASLt's SM count target (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET): the SMs the GEMM is
   // planned for, so that kernels on another stream keep the rest; 0 = every SM of the device.
-  // Part of the pinned configuration: fixed per backend, never per job.
+  // Part of the pinned configuration: fixed per backend and hidden size, never per job.
   int sm_count = 0;
 };
 
@@ -83,8 +83,7 @@ inline int TileGemmSmCount(int device_sms, int free_sms) {
 // --hidden-configs 2048:1:2s:slots2:freeN, alternated, docs/PERFORMANCE.md): H 2048, 24 SMs
 // 17.24-17.62 ms against 17.69-18.14 with 8 (16 and 20: 17.71-17.84); H 4096, 8 and 20 even
 // (medians 31.35 / 31.21 ms), 12 and 24 slower; the H200 not yet measured. Sizes between the
-// two measured ones keep 8.
-// Fixed per head: a row's bits never depend on the batch.
+// two measured ones keep 8. Fixed per head: a row's bits never depend on the batch.
 inline int HiddenStatsSms(int option, int64_t k) {
   if (option >= 0) return option;
   return k <= 2048 ? 24 : 8;
