@@ -234,7 +234,6 @@ int main(int argc, char** argv) {
   double jsd_tile_mb = 0;
   std::vector<std::string> dtypes = {"bf16", "fp16", "fp32"};
   std::vector<int64_t> tile_rows_list;
-  std::vector<int> message_slots_list;
   std::vector<int64_t> tile_gemm_rows = {logitserve::kCudaRowTile};
   const int64_t slot_cols =
       logitserve::CudaBackendOptions{}.hidden_stats_chunks * logitserve::kCudaVocabChunk;
@@ -260,10 +259,6 @@ int main(int argc, char** argv) {
   app.add_option("--logits-tile-rows", tile_rows_list,
                  "logits mode: CudaBackendOptions::logits_tile_rows to compare (the first gives "
                  "the main table, each other one extra lines; default: the option's default)")
-      ->delimiter(',');
-  app.add_option("--logits-message-slots", message_slots_list,
-                 "logits mode: also run CudaBackendOptions::logits_message_slots N (with the "
-                 "first --logits-tile-rows) for each N, as extra lines")
       ->delimiter(',');
   app.add_option("--tile-gemm-rows", tile_gemm_rows,
                  "hidden mode: row counts of the tile GEMMs timed alone (the first should be "
@@ -320,31 +315,25 @@ int main(int argc, char** argv) {
 
   if (!no_logits) {
     const double free_before = FreeDeviceBytes(0);
-    // One backend per tile size compared (the first for the main table), then one per message
-    // slot count; each labelled by its options.
+    // One backend per tile size compared (the first for the main table), labelled by it.
     std::vector<std::pair<std::string, std::unique_ptr<logitserve::Backend>>> backends;
     if (tile_rows_list.empty()) tile_rows_list.push_back(-1);
-    auto add_backend = [&](int64_t tile_rows, int message_slots) {
+    auto add_backend = [&](int64_t tile_rows) {
       logitserve::CudaBackendOptions options;
       options.devices = {0};
       options.jsd_tile_bytes = static_cast<size_t>(jsd_tile_mb * 1e6);
       if (tile_rows >= 0) options.logits_tile_rows = tile_rows;
-      if (message_slots > 0) options.logits_message_slots = message_slots;
       auto made = logitserve::CreateCudaBackend(options);
       if (!made.ok()) {
         std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
         return false;
       }
-      backends.emplace_back("logits_tile_rows " + std::to_string(options.logits_tile_rows) +
-                                ", message slots " + std::to_string(options.logits_message_slots),
+      backends.emplace_back("logits_tile_rows " + std::to_string(options.logits_tile_rows),
                             std::move(*made));
       return true;
     };
     for (int64_t tile_rows : tile_rows_list) {
-      if (!add_backend(tile_rows, 0)) return 1;
-    }
-    for (int slots : message_slots_list) {
-      if (!add_backend(tile_rows_list[0], slots)) return 1;
+      if (!add_backend(tile_rows)) return 1;
     }
     std::printf("main table: %s (logits_tile_rows 0 = by job)\n", backends[0].first.c_str());
     std::vector<int32_t> ids(static_cast<size_t>(rows));

@@ -77,23 +77,14 @@ std::unique_ptr<Backend> Cpu() {
 }
 
 // GPU 0 cut into `shards` vocabulary shards (0 = one) with logits-mode row tiles of `tile_rows`
-// (0 = by job) and `message_slots` slots in their pipeline.
-absl::StatusOr<std::unique_ptr<Backend>> TiledCuda(int shards, int64_t tile_rows,
-                                                   int message_slots = 2) {
+// (0 = by job).
+absl::StatusOr<std::unique_ptr<Backend>> TiledCuda(int shards, int64_t tile_rows) {
   CudaBackendOptions o;
   o.devices = {0};
   o.shards = shards;
   o.logits_tile_rows = tile_rows;
-  o.logits_message_slots = message_slots;
   return CreateCudaBackend(o);
 }
-
-// (logits_tile_rows, logits_message_slots) pairs: every tile size with the default two slots,
-// then the many-tile ones with four.
-struct TileConfig {
-  int64_t rows;
-  int slots;
-};
 
 // Worst |gpu - cpu| / (1 + |cpu|) of one output; NaN and infinities must match exactly.
 void CompareOutput(const std::string& name, const std::vector<float>& gpu,
@@ -496,13 +487,12 @@ std::vector<BackendFactory> FusedLayouts() {
     std::vector<int64_t> weights;
     std::vector<int> devices;
     const char* cluster;
-    int message_slots;  // logits mode's (a fused job keeps its two whatever this says)
   };
-  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}, "auto", 2},
-                       {"fused_one_gpu_2x2", 1, {}, {0}, "2x2", 2},
-                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}, "auto", 2},
-                       {"fused_shards_2_1_0_four_message_slots", 3, {2, 1, 0}, {0}, "auto", 4}};
-  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}, "auto", 2});
+  std::vector<L> ls = {{"fused_one_gpu", 1, {}, {0}, "auto"},
+                       {"fused_one_gpu_2x2", 1, {}, {0}, "2x2"},
+                       {"fused_shards_1_0_2_one_gpu", 3, {1, 0, 2}, {0}, "auto"},
+                       {"fused_shards_2_1_0_one_gpu", 3, {2, 1, 0}, {0}, "auto"}};
+  if (VisibleCudaDevices() >= 2) ls.push_back({"fused_two_gpus", 0, {}, {0, 1}, "auto"});
   std::vector<BackendFactory> f;
   for (const L& l : ls) {
     f.push_back(BackendFactory{l.name, [l]() {
@@ -513,7 +503,6 @@ std::vector<BackendFactory> FusedLayouts() {
                                  o.hidden_fused = true;
                                  o.hidden_fused_tile_rows = 512;
                                  o.hidden_fused_cluster = l.cluster;
-                                 o.logits_message_slots = l.message_slots;
                                  return CreateCudaBackend(o);
                                }});
   }
@@ -639,12 +628,9 @@ TEST(CudaDeterminism, LogitsRowTilesDoNotChangeBits) {
   // too. (The reference reads host memory only.)
   std::vector<ScoreResult> baseline;
   for (int shards : {1, 2}) {
-    for (const TileConfig t :
-         {TileConfig{0, 2}, TileConfig{1, 2}, TileConfig{3, 2}, TileConfig{16, 2}, TileConfig{1, 4},
-          TileConfig{3, 4}, TileConfig{16, 3}}) {
-      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(t.rows) +
-                   ", message slots " + std::to_string(t.slots));
-      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, t.rows, t.slots);
+    for (int64_t tile_rows : {0, 1, 3, 16}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
+      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows);
       ASSERT_TRUE(b.ok()) << b.status();
       for (size_t i = 0; i < std::size(jobs); ++i) {
         SCOPED_TRACE(names[i]);
@@ -707,12 +693,9 @@ TEST(CudaDeterminism, LargeOutputsCopiedByThreads) {
 
   std::unique_ptr<ScoreResult> baseline;
   for (int shards : {1, 2}) {
-    for (const TileConfig t : {TileConfig{8192, 2}, TileConfig{0, 2}, TileConfig{7, 2},
-                               TileConfig{300, 2}, TileConfig{7, 4}, TileConfig{300, 3}}) {
-      const int64_t tile_rows = t.rows;
-      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows) +
-                   ", message slots " + std::to_string(t.slots));
-      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows, t.slots);
+    for (int64_t tile_rows : {8192, 0, 7, 300}) {
+      SCOPED_TRACE(std::to_string(shards) + " shard(s), tile rows " + std::to_string(tile_rows));
+      absl::StatusOr<std::unique_ptr<Backend>> b = TiledCuda(shards, tile_rows);
       ASSERT_TRUE(b.ok()) << b.status();
       LOGITSERVE_ASSERT_SCORE(host, **b, job.job);
       LOGITSERVE_ASSERT_SCORE(dev, **b, resident.job);
@@ -1265,11 +1248,6 @@ TEST(CudaBackendSetup, DevicesAndOptions) {
   CudaBackendOptions stats_sms;
   stats_sms.hidden_stats_sms = -2;
   EXPECT_EQ(CreateCudaBackend(stats_sms).status().code(), absl::StatusCode::kInvalidArgument);
-  for (int slots : {1, 5}) {
-    CudaBackendOptions o;
-    o.logits_message_slots = slots;
-    EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kInvalidArgument) << slots;
-  }
   std::unique_ptr<Backend> b = MustCreate(CudaFactory("cuda_all_gpus", 0, {}, 0));
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->name(), "cuda");

@@ -365,7 +365,6 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
     p.tile_rows = std::clamp<int64_t>(std::min(rows, job.rows), 1, kMaxLogitsTileRows);
   }
   p.msg = kc::MakeTileMessage(p.tile_rows, p.max_blocks, job.top_k, job.ids_per_row);
-  p.message_slots = p.any_hidden ? 2 : options_.logits_message_slots;
   return p;
 }
 
@@ -570,9 +569,6 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   const int64_t row_tile = options.hidden_row_tile, fused_rows = options.hidden_fused_tile_rows;
   const std::pair<bool, const char*> ranges[] = {
       {options.logits_tile_rows < 0, "logits_tile_rows must be >= 0"},
-      {options.logits_message_slots < 2 ||
-           options.logits_message_slots > cuda_internal::Rank::kMaxMessageSlots,
-       "logits_message_slots must be in [2, 4]"},
       {row_tile < 0 || row_tile > 8192 || row_tile % 64 != 0,
        "hidden_row_tile must be 0 or a multiple of 64 <= 8192"},
       {options.hidden_stats_chunks < 1 || options.hidden_stats_chunks > 64,
@@ -641,15 +637,17 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     LOGITSERVE_RETURN_IF_ERROR(rank->copy_stream.Create(rank->device, greatest_priority));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_stream.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_idle.Create(rank->device));
-    for (CudaEvent& e : rank->stats_done) {
-      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
+    for (auto* events : {&rank->stats_done, &rank->message_free}) {
+      for (CudaEvent& e : *events) {
+        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
+      }
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->outputs_ready.Create(rank->device));
     for (CudaEvent& e : rank->side_idle) {
       LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
     }
-    for (auto* events : {&rank->message_free, &rank->slot_filled, &rank->slot_free,
-                         &rank->slot_filled_b, &rank->raw_ready, &rank->raw_free}) {
+    for (auto* events : {&rank->slot_filled, &rank->slot_free, &rank->slot_filled_b,
+                         &rank->raw_ready, &rank->raw_free}) {
       for (CudaEvent& e : *events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
       }

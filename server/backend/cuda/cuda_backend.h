@@ -82,15 +82,6 @@ struct CudaBackendOptions {
   // selection and megabytes of output copy-back), not for logprobs / entropy / KL / JSD, whose
   // tails (gather, fold, small copies) are mostly fixed latency.
   int64_t logits_tile_rows = 0;
-  // Logits mode: message slots of the row-tile pipeline, in [2, 4]. Tile t's statistics write
-  // slot t % n (and its top-k lane maxima scratch), which tile t + n reuses only after tile t's
-  // tail is done with it. With two, tile t + 2's statistics wait for tile t's whole tail (top-k
-  // selection, fold), although their stream is free (H100 trace, top-k 64, 2048-row tiles: tile
-  // 2's statistics held ~115 us); four lets them run on. Logits copied from the host gain nothing
-  // (their single staging already makes tile t + 1 wait for tile t's tail). Each slot costs one
-  // tile message (and with top-k one lane-maxima scratch). Never changes a result. Fused hidden
-  // mode keeps two.
-  int logits_message_slots = 2;
   // Logits mode with a JSD pass (0 < beta < 1): the row tile holds at most this many bytes of
   // both distributions, so the second pass re-reads it from L2 (H200: 50 MB). 0 = no cap. Tile
   // size never changes a result; smaller tiles cost more launches and, across GPUs, more

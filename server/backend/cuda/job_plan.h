@@ -34,9 +34,10 @@ inline int64_t TopKTileRows(int32_t k) { return k <= 128 ? 2048 : 1024; }
 // Fused hidden mode, CudaBackendOptions::hidden_fused_tile_rows = 0: rows per pipelined tile
 // (consecutive tiles' kernels run on the two statistics streams, so one tile's last wave can share
 // the GPU with the next tile's first), and at most the rows whose two logits slots per
-// distribution fit in kFusedLogitsBytes when top-k or JSD keep them. H200, 8192 rows, first kernel:
-// 1024 / 2048 / 4096 / 8192-row tiles 55.6 / 56.5 / 57.3 / 57.7 ms.
-constexpr int64_t kFusedTileRows = 2048;
+// distribution fit in kFusedLogitsBytes when top-k or JSD keep them. H200, N 8192, H 1024, V
+// 151936 pair, cluster 2x1 (logitserve-kernel-bench --fused-configs, three alternations, session
+// of 2026-12-06 00:40 UTC): 512 / 1024 / 2048-row tiles 10.10-10.11 / 9.84-9.85 / 10.04-10.08 ms.
+constexpr int64_t kFusedTileRows = 1024;
 constexpr int64_t kFusedLogitsBytes = int64_t{512} << 20;
 // first_bad_row's "no bad row" value (cudaMemset byte 0x7f).
 constexpr int32_t kNoBadRow = 0x7f7f7f7f;
@@ -94,9 +95,6 @@ struct JobPlan {
   // Logits slots per distribution of the cuBLASLt-tile path (CudaBackendOptions::hidden_slots).
   int hidden_slots = 1;
   int64_t tile_rows = 0;  // rows per tile (the last tile may hold fewer)
-  // Logits mode (and fused hidden mode, always 2): tile t's message slot is t % message_slots
-  // (CudaBackendOptions::logits_message_slots).
-  int message_slots = 2;
   // Vocabulary columns per statistics launch (hidden mode: the slot width, a whole number of GEMM
   // chunks, CudaBackendOptions::hidden_stats_chunks).
   int64_t chunk_cols = 0;

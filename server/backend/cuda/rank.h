@@ -92,15 +92,19 @@ struct Rank {
   std::array<CudaEvent, kMaxHiddenSlots> slot_filled_b;
   CudaEvent gemm_idle_b;
   // Logits mode's row-tile pipeline (RankWorker::ComputeTile): the statistics of tile t run on
-  // stats_streams[t % 2] (low priority) into message slot t % JobPlan::message_slots while
+  // stats_streams[t % 2] (low priority) into message slot t % kMessageSlots while
   // `stream` runs the tail of tile t - 1 (gather, top-k selection, all-gather, fold, JSD pass);
   // copy_stream brings each tile's outputs back to pinned memory while later tiles compute.
-  static constexpr int kMaxMessageSlots = 4;
+  // Tile t + 2's statistics wait until tile t's tail is done with their slot. More slots (three
+  // and four, so that they run on) measured no gain: top-k 64, whose tail is the longest, took
+  // 0.547 / 0.551 ms bf16 and 0.526 / 0.530 fp16 with four / two on the H200, 0.609-0.626 /
+  // 0.608-0.619 on the H100 (docs/PERFORMANCE.md, 2026-12-05 and 12-06).
+  static constexpr int kMessageSlots = 2;
   std::array<CudaStream, 2> stats_streams;
   CudaStream copy_stream;
   std::array<CudaEvent, 2> stats_done;  // stats_streams[i]: its tile's records are written
-  std::array<CudaEvent, kMaxMessageSlots> message_free;  // stream: the tail is done with slot s
-  CudaEvent outputs_ready;                               // stream: the tile's outputs are written
+  std::array<CudaEvent, kMessageSlots> message_free;  // stream: the tail is done with slot s
+  CudaEvent outputs_ready;                            // stream: the tile's outputs are written
   std::array<CudaEvent, 3> side_idle;  // joins stats_streams[0], [1] and copy_stream into stream
   // Hidden mode's cuBLASLt tiles: tile t's hidden rows go up on upload_stream into raw buffer
   // t % 2 (RankWorker::BeginTile), so that tile t + 1's upload runs beside tile t's GEMMs instead

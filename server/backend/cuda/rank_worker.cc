@@ -67,8 +67,8 @@ absl::Status RankWorker::Prepare() {
   const size_t n = static_cast<size_t>(job_.rows);
   Carver carver;
   // Logits mode: message slots and lane-maxima scratches of the pipeline (see the header).
-  const int slots = pipelined() ? plan_.message_slots : 1;
-  std::array<size_t, Rank::kMaxMessageSlots> send_at{}, topk_scratch_at{};
+  const int slots = pipelined() ? Rank::kMessageSlots : 1;
+  std::array<size_t, Rank::kMessageSlots> send_at{}, topk_scratch_at{};
   for (int i = 0; i < slots; ++i) send_at[static_cast<size_t>(i)] = carver.Add(m.bytes);
   const size_t recv_at = num_ranks_ > 1 ? carver.Add(m.bytes * static_cast<size_t>(num_ranks_)) : 0;
   const size_t partial_bytes = rows * static_cast<size_t>(plan_.max_blocks) * sizeof(float);
@@ -388,8 +388,7 @@ absl::Status RankWorker::ComputeTile(int64_t row0, int64_t rows) {
 absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
   const kc::TileMessage& m = plan_.msg;
   const int64_t tile = row0 / plan_.tile_rows;
-  const int64_t slots = plan_.message_slots;
-  slot_ = static_cast<int>(tile % slots);
+  slot_ = static_cast<int>(tile % Rank::kMessageSlots);
   const size_t s = static_cast<size_t>(slot_);
   const bool single = single_logits_tile();
   const size_t side = static_cast<size_t>(tile % 2);  // the statistics stream (and its event)
@@ -402,15 +401,15 @@ absl::Status RankWorker::ComputeLogitsTile(int64_t row0, int64_t rows) {
   auto* lists = reinterpret_cast<k::TopKEntry*>(msg + m.topk_offset);
   auto* counts = reinterpret_cast<int32_t*>(msg + m.count_offset);
   if (num_chunks_ > 0) {
-    // Slot s was last read by the tail of tile - slots; the single staging by that of tile - 1.
-    if (tile >= slots) {
+    // Slot s was last read by the tail of tile - 2; the single staging by that of tile - 1.
+    if (tile >= Rank::kMessageSlots) {
       LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.message_free[s]));
     }
     // (Fused hidden mode double-buffers its inputs: nothing to wait for.)
     const bool staged = !plan_.fused && (!model_.zero_copy || (plan_.pair && !ref_.zero_copy));
     if (staged && tile >= 1) {
       LOGITSERVE_RETURN_IF_ERROR(
-          wait(stats, rank_.message_free[static_cast<size_t>((tile - 1) % slots)]));
+          wait(stats, rank_.message_free[static_cast<size_t>((tile - 1) % Rank::kMessageSlots)]));
     }
     if (plan_.fused && tile < 2) {  // the fused kernel reads the target ids
       LOGITSERVE_RETURN_IF_ERROR(wait(stats, rank_.uploaded));

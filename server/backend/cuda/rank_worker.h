@@ -8,7 +8,7 @@
 // streams; WaitTile / EndTile keep at most kTileEvents tiles queued ahead of the host.
 //
 // Logits mode runs the tiles as a software pipeline (Rank's stats_streams): tile t's statistics
-// (message slot and lane maxima t % n, n = JobPlan::message_slots) on stats_streams[t % 2], its
+// (message slot and lane maxima t % n, n = Rank::kMessageSlots) on stats_streams[t % 2], its
 // tail on `stream`, its output slices on copy_stream, joined by events only: the host never waits
 // for a tile to queue the next. What the tail of tile t reads and the statistics of tiles t + 1
 // ... t + n - 1 would overwrite is n-buffered (the message, the lane maxima); what only the tail
@@ -240,14 +240,14 @@ class RankWorker final : public ShardedRank {
   const int64_t num_tiles_;
   ScoreResult* const result_;
   int64_t copied_ = 0;  // reporting rank: tiles [0, copied_) are in result_
-  int slot_ = 0;  // the tile's message slot (logits mode: tile % message_slots; hidden mode: 0)
+  int slot_ = 0;  // the tile's message slot (logits mode: tile % kMessageSlots; hidden mode: 0)
 
   Dist model_, ref_;
-  std::array<uint8_t*, Rank::kMaxMessageSlots> send_{};  // this rank's message, per slot
-  uint8_t* recv_ = nullptr;  // every rank's message (more than one rank)
+  std::array<uint8_t*, Rank::kMessageSlots> send_{};  // this rank's message, per slot
+  uint8_t* recv_ = nullptr;                           // every rank's message (more than one rank)
   float* partial_send_ = nullptr;
   // The top-k kernels' lane maxima of one source, per message slot.
-  std::array<float*, Rank::kMaxMessageSlots> topk_scratch_{};
+  std::array<float*, Rank::kMessageSlots> topk_scratch_{};
   float* partial_recv_ = nullptr;
   k::RowStats* folded_a_ = nullptr;
   k::RowStats* folded_b_ = nullptr;
