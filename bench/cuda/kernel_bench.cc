@@ -278,11 +278,12 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--hidden-configs", hidden_configs,
                  "hidden mode: also run the 1-GPU Score with these "
-                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN] "
+                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN][:ring] "
                  "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
                  "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2, cg = a GEMM per "
                  "8192-id chunk: hidden_slot_gemms off, algN = hidden_gemm_candidate N, "
-                 "slotsN = hidden_slots N, freeN = hidden_stats_sms N)")
+                 "slotsN = hidden_slots N, freeN = hidden_stats_sms N, ring = "
+                 "hidden_stats_streamed)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -836,7 +837,7 @@ int main(int argc, char** argv) {
     }
 
     for (const std::string& config : hidden_configs) {
-      // ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN]
+      // ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN][:ring]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
       logitserve::CudaBackendOptions c;
       tiles_only(c);
@@ -855,6 +856,9 @@ int main(int argc, char** argv) {
         } else if (f[i] == "cg") {
           c.hidden_slot_gemms = false;
           label += ", a GEMM per 8192 ids";
+        } else if (f[i] == "ring") {
+          c.hidden_stats_streamed = true;
+          label += ", streamed pair statistics";
         } else if (absl::StartsWith(f[i], "alg") && absl::SimpleAtoi(f[i].substr(3), &n) &&
                    n >= 0) {
           c.hidden_gemm_candidate = n;

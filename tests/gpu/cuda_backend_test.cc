@@ -803,11 +803,12 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
 // (the GEMMs fill the logits slots in turn on their own stream without one, keep every chunk of
 // the row tile with one), also with both distributions' GEMMs on one stream (hidden_gemm_streams
-// 1; by default the reference's have their own) and with one or three logits slots (hidden_slots;
-// two by default), and with the first row tile of host inputs staged by the ranks once the job
-// holds them instead of prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile
-// (two slots of one chunk by default), so a tile reuses a logits slot; N = 4200: three row tiles
-// of 2048 (the last short), so slots and pinned buffers are reused across tiles.
+// 1; by default the reference's have their own), with the streamed pair statistics
+// (hidden_stats_streamed), with one or three logits slots (hidden_slots; two by default), and
+// with the first row tile of host inputs staged by the ranks once the job holds them instead of
+// prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile (two slots of one chunk
+// by default), so a tile reuses a logits slot; N = 4200: three row tiles of 2048 (the last
+// short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   constexpr int64_t kVocab = 20000, kH = 96, kN = 4200;
   static_assert(kN > 2 * kCudaRowTile && kN < 3 * kCudaRowTile);
@@ -826,6 +827,13 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
                                      o.hidden_fused_max_hidden = 0;
                                      o.devices = {0};
                                      o.hidden_gemm_streams = 1;
+                                     return CreateCudaBackend(o);
+                                   }});
+  layouts.push_back(BackendFactory{"one_gpu_streamed_pair_statistics", [] {
+                                     CudaBackendOptions o;
+                                     o.hidden_fused_max_hidden = 0;
+                                     o.devices = {0};
+                                     o.hidden_stats_streamed = true;
                                      return CreateCudaBackend(o);
                                    }});
   layouts.push_back(BackendFactory{"one_gpu_no_prestage", [] {

@@ -3,6 +3,7 @@
 // (ComputeHiddenTile: GEMMs per vocabulary chunk into double-buffered slots on gemm_stream, the
 // reference's on gemm_stream_b beside them, the statistics kernel reading them back on `stream`).
 // A third file of rank_worker.cc's class.
+#include <algorithm>
 #include <cstring>
 
 #include "common/base/status_macros.h"
@@ -59,6 +60,17 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
   return absl::OkStatus();
 }
 
+int RankWorker::StatsRingSms() const {
+  if (!plan_.stats_streamed || !plan_.pair || !model_.hidden || !ref_.hidden) return 0;
+  const CudaHead::Shard& hs = model_.head->shards[static_cast<size_t>(rank_.index)];
+  int sms = 0;
+  if (hs.gemm == nullptr || hs.gemm->shape().sm_count == 0 ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank_.device) != cudaSuccess) {
+    return 0;
+  }
+  return std::max(0, sms - hs.gemm->shape().sm_count);
+}
+
 absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   const kc::TileMessage& m = plan_.msg;
   // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % n
@@ -93,6 +105,7 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   auto* counts = reinterpret_cast<int32_t*>(msg + m.count_offset);
   auto* targets = reinterpret_cast<float*>(msg + m.target_offset);
   bool cleared = false;  // the uploads are issued and the top-k counts cleared (below)
+  const int ring_sms = StatsRingSms();
   for (int64_t c = 0; c < num_chunks_; ++c) {
     const int64_t g = chunk_seq_++;
     const int64_t n = plan_.hidden_slots;
@@ -141,8 +154,8 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
       if (job_.ids_per_row > 0) {
         out = kc::TargetsOut{ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets};
       }
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(
-          kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream(), out));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks,
+                                                           local_block, stream(), out, ring_sms));
     }
     if (job_.ids_per_row > 0 && job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(
