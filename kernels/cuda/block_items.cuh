@@ -465,14 +465,20 @@ void RingFit(int* per_sm, int* sms) {
 
 // Launches RingKernel<kPair, Op> on as many CTAs as fit on `max_sms` SMs (0: every SM) and the
 // items need; false (nothing launched) where it cannot run.
+// The CTAs that fit on `max_sms` SMs (0: every SM) at once; 0 where the form cannot run.
+template <bool kPair, typename Op>
+int RingCtas(int max_sms) {
+  int per_sm = 0, sms = 0;
+  RingFit<kPair, Op>(&per_sm, &sms);
+  if (max_sms > 0 && max_sms < sms) sms = max_sms;
+  return RingAllowed() ? per_sm * sms : 0;
+}
+
 template <bool kPair, typename Op>
 bool LaunchRing(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
                 const Op& op, int max_sms, cudaStream_t stream) {
-  int per_sm = 0, sms = 0;
-  RingFit<kPair, Op>(&per_sm, &sms);
-  if (per_sm == 0) return false;
-  if (max_sms > 0 && max_sms < sms) sms = max_sms;
-  const int64_t fit = static_cast<int64_t>(per_sm) * sms;
+  const int64_t fit = RingCtas<kPair, Op>(max_sms);
+  if (fit == 0) return false;
   const int64_t needed = (pairs + kPairWarps - 1) / kPairWarps;
   const int64_t grid = needed < fit ? needed : fit;
   RingKernel<kPair, Op>

@@ -185,6 +185,10 @@ cudaError_t LaunchJsdPartials(const LogitsSource& s, const LogitsSource& t, int6
   return LaunchOnSources</*kPairOnly=*/true>(s, &t, rows, op, stream);
 }
 
+int StreamedPairCtas(int ring_sms) {
+  return ring_sms > 0 ? detail::RingCtas<true, detail::StatsOp>(ring_sms) : 0;
+}
+
 cudaError_t CheckKernelImage() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(

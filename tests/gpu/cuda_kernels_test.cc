@@ -300,6 +300,13 @@ TEST_F(CudaKernels, StreamedAndDirectKernelsWriteTheSameRecords) {
 // the -0 fix, as hidden mode's sources carry) and with the temperature only, over whole shards
 // and one whose last block ends one value past a 16-byte unit.
 TEST_F(CudaKernels, StreamedPairKernelWritesTheDirectRecords) {
+  // Not vacuous: the form runs on this GPU (sm_90 and later: three CTAs an SM), else the
+  // launches below would all be the direct kernel's.
+  int major = 0;
+  ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major < 9) GTEST_SKIP() << "the streamed form needs sm_90";
+  ASSERT_GE(kc::StreamedPairCtas(1), 1);
+  ASSERT_EQ(kc::StreamedPairCtas(3), 3 * kc::StreamedPairCtas(1));
   constexpr int64_t kManyRows = 3000;
   std::vector<float> model(kManyRows * kV), ref(kManyRows * kV), bias(kV);
   for (int64_t r = 0; r < kManyRows; ++r) {

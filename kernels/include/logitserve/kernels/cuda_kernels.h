@@ -86,6 +86,9 @@ struct TargetsOut {
 cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64_t rows,
                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
                              cudaStream_t stream, const TargetsOut& targets = {}, int ring_sms = 0);
+// The CTAs LaunchBlockStats' streamed pair form runs on for `ring_sms` SMs on the current device
+// (0: it does not run here, and the direct kernel does), for tests and benchmarks.
+int StreamedPairCtas(int ring_sms);
 
 // For every row r < rows and j < ids_per_row whose id = ids[r * ids_per_row + j] lies in the
 // source's columns: targets[r * ids_per_row + j] = the logit z (after the transform). Other
