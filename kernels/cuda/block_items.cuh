@@ -419,7 +419,8 @@ __global__ void __launch_bounds__(kPairThreads)
 }
 
 // Whether the streamed form may run (LOGITSERVE_ITEM_KERNEL=direct: never, for measurements side
-// by side); it also needs rows 16-byte aligned (bulk copies), and an sm_90 device.
+// by side); it also needs rows 16-byte aligned (bulk copies), an sm_90 device and, for the single
+// form, a logits-mode source (no head transform).
 inline bool RingAllowed() {
   static const bool allowed = [] {
     const char* v = std::getenv("LOGITSERVE_ITEM_KERNEL");
@@ -463,8 +464,6 @@ void RingFit(int* per_sm, int* sms) {
   }
 }
 
-// Launches RingKernel<kPair, Op> on as many CTAs as fit on `max_sms` SMs (0: every SM) and the
-// items need; false (nothing launched) where it cannot run.
 // The CTAs that fit on `max_sms` SMs (0: every SM) at once; 0 where the form cannot run.
 template <bool kPair, typename Op>
 int RingCtas(int max_sms) {
@@ -474,6 +473,8 @@ int RingCtas(int max_sms) {
   return RingAllowed() ? per_sm * sms : 0;
 }
 
+// Launches RingKernel<kPair, Op> on as many CTAs as fit on `max_sms` SMs (0: every SM) and the
+// items need; false (nothing launched) where it cannot run.
 template <bool kPair, typename Op>
 bool LaunchRing(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
                 const Op& op, int max_sms, cudaStream_t stream) {

@@ -61,14 +61,21 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
 }
 
 int RankWorker::StatsRingSms() const {
-  if (!plan_.stats_streamed || !plan_.pair || !model_.hidden || !ref_.hidden) return 0;
-  const CudaHead::Shard& hs = model_.head->shards[static_cast<size_t>(rank_.index)];
+  if (!plan_.stats_streamed || !plan_.overlap_gemms || !plan_.pair || !model_.hidden ||
+      !ref_.hidden) {
+    return 0;  // (without overlap the statistics have the GPU to themselves: direct)
+  }
   int sms = 0;
-  if (hs.gemm == nullptr || hs.gemm->shape().sm_count == 0 ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank_.device) != cudaSuccess) {
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank_.device) != cudaSuccess) {
     return 0;
   }
-  return std::max(0, sms - hs.gemm->shape().sm_count);
+  int free_sms = sms;  // the fewest either head's GEMMs leave
+  for (const Dist* d : {&model_, &ref_}) {
+    const CudaTileGemm* gemm = d->head->shards[static_cast<size_t>(rank_.index)].gemm.get();
+    if (gemm == nullptr || gemm->shape().sm_count == 0) return 0;
+    free_sms = std::min(free_sms, sms - gemm->shape().sm_count);
+  }
+  return std::max(0, free_sms);
 }
 
 absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
