@@ -467,10 +467,11 @@ void RingFit(int* per_sm, int* sms) {
 // The CTAs that fit on `max_sms` SMs (0: every SM) at once; 0 where the form cannot run.
 template <bool kPair, typename Op>
 int RingCtas(int max_sms) {
+  if (!RingAllowed()) return 0;
   int per_sm = 0, sms = 0;
   RingFit<kPair, Op>(&per_sm, &sms);
   if (max_sms > 0 && max_sms < sms) sms = max_sms;
-  return RingAllowed() ? per_sm * sms : 0;
+  return per_sm * sms;
 }
 
 // Launches RingKernel<kPair, Op> on as many CTAs as fit on `max_sms` SMs (0: every SM) and the
@@ -493,17 +494,10 @@ template <FloatType TA, FloatType TB, bool kPair, typename Op>
 cudaError_t LaunchItems(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
                         const Op& op, cudaStream_t stream, int ring_sms = 0) {
   if constexpr (TA == FloatType::kFloat32 && TB == FloatType::kFloat32 && kStreamedOp<Op>) {
-    if (RingAllowed() && a.vectorized) {
-      if constexpr (kPair) {
-        if (ring_sms > 0 && b.vectorized &&
-            LaunchRing<true>(a, b, blocks, pairs, op, ring_sms, stream)) {
-          return cudaSuccess;
-        }
-      } else {
-        if (!a.t.head && LaunchRing<false>(a, b, blocks, pairs, op, 0, stream)) {
-          return cudaSuccess;
-        }
-      }
+    const bool streamed =
+        kPair ? ring_sms > 0 && a.vectorized && b.vectorized : a.vectorized && !a.t.head;
+    if (streamed && LaunchRing<kPair>(a, b, blocks, pairs, op, kPair ? ring_sms : 0, stream)) {
+      return cudaSuccess;
     }
   }
   DirectKernel<TA, TB, kPair, Op>

@@ -803,8 +803,8 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 // and resident on the GPU give the same bits, on one GPU and on two; with top-k, with and without
 // a JSD pass (the GEMMs fill the logits slots in turn on their own stream without one, keep every
 // chunk of the row tile with one), and without top-k (whose statistics alone may be streamed);
-// also with both distributions' GEMMs on one stream (hidden_gemm_streams
-// 1; by default the reference's have their own), with the streamed pair statistics
+// also with both distributions' GEMMs on one stream (hidden_gemm_streams 1; by default the
+// reference's have their own), with the streamed pair statistics
 // (hidden_stats_streamed), with one or three logits slots (hidden_slots; two by default), and
 // with the first row tile of host inputs staged by the ranks once the job holds them instead of
 // prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile (two slots of one chunk
