@@ -278,12 +278,11 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--hidden-configs", hidden_configs,
                  "hidden mode: also run the 1-GPU Score with these "
-                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN][:ring] "
+                 "ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN] "
                  "(CudaBackendOptions::hidden_row_tile, hidden_stats_chunks, serial = "
                  "overlap_hidden_gemms off, 2s = hidden_gemm_streams 2, cg = a GEMM per "
                  "8192-id chunk: hidden_slot_gemms off, algN = hidden_gemm_candidate N, "
-                 "slotsN = hidden_slots N, freeN = hidden_stats_sms N, ring = "
-                 "hidden_stats_streamed)")
+                 "slotsN = hidden_slots N, freeN = hidden_stats_sms N)")
       ->delimiter(',');
   app.add_flag("--no-logits", no_logits, "skip logits mode");
   app.add_flag("--no-hidden", no_hidden, "skip hidden mode");
@@ -837,7 +836,7 @@ int main(int argc, char** argv) {
     }
 
     for (const std::string& config : hidden_configs) {
-      // ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN][:freeN][:ring]
+      // ROWS:CHUNKS[:serial][:2s][:cg][:algN][:slotsN]
       const std::vector<std::string> f = absl::StrSplit(config, ':');
       logitserve::CudaBackendOptions c;
       tiles_only(c);
@@ -856,9 +855,6 @@ int main(int argc, char** argv) {
         } else if (f[i] == "cg") {
           c.hidden_slot_gemms = false;
           label += ", a GEMM per 8192 ids";
-        } else if (f[i] == "ring") {
-          c.hidden_stats_streamed = true;
-          label += ", streamed pair statistics";
         } else if (absl::StartsWith(f[i], "alg") && absl::SimpleAtoi(f[i].substr(3), &n) &&
                    n >= 0) {
           c.hidden_gemm_candidate = n;

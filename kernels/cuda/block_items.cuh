@@ -261,41 +261,30 @@ inline unsigned PairGrid(int64_t pairs) {
   return static_cast<unsigned>((pairs + kPairWarps - 1) / kPairWarps);
 }
 
-// ---- The streamed form (fp32 statistics): persistent warps fed by bulk copies -------------------
+// ---- The streamed form (fp32 statistics): persistent warps, each with a ring of two blocks -----
 //
 // Why. A warp of the direct kernel has its loads in flight only until they land, and none during
 // the ~640 instructions of its statistics; an fp32 block is 8 KB a warp and its kernel holds 96
 // registers, so only 16 warps an SM take turns (Nsight Compute, H200: DRAM 84 %, 1.19x one
 // read). Here a warp owns items p, p + step, p + 2 step, ... of the grid's rows * blocks; lane 0
-// brings each item's block into the warp's stages with one bulk copy (cp.async.bulk, no
-// registers) and refills a stage as soon as the lanes hold its words, so the next blocks are on
-// their way while the warp computes. The lanes read their words from shared memory in the very
-// layout LoadLaneBlock gives (lane_block.cuh), so the op computes the same bits from the same
-// registers. The copies carry an L2 evict-first policy (the logits are read once): without it the
-// bf16 form was 14 us slower.
+// brings each item's block into the warp's two-stage ring with one bulk copy (cp.async.bulk, no
+// registers) and refills a stage as soon as the lanes hold its words, so the next two blocks are
+// on their way while the warp computes. The lanes read their words from shared memory in the
+// very layout LoadLaneBlock gives (lane_block.cuh), so the op computes the same bits from the
+// same registers. The copies carry an L2 evict-first policy (the logits are read once): without
+// it the bf16 form was 14 us slower.
 //
-// Single statistics: two stages of one block a warp. Measured (H200, [8192 x 75968], kernels
-// alone, one call): fp32 single statistics 0.659 -> 0.584 ms. Everything else stays direct by
-// default: 16-bit single statistics 0.291 -> 0.311 (three and four stages 0.320 / 0.344: the
-// 16-bit items are near issue-bound, and the ring's shared memory cuts the resident warps), pairs
-// with two stages of both blocks 0.591 -> 0.809 (bf16) and 1.311 -> 1.691 (fp32: 128 KB a CTA
-// left 4 warps an SM), and the top-k statistics, whose Score lost beside the selection kernels
-// (fp32 top-k 64 0.866 -> 0.882 ms) although the kernel alone gained.
-//
-// Pair statistics of fp32 sources (hidden mode's GEMM output), on request (LaunchBlockStats'
-// ring_sms): one stage of both blocks a warp (16 KB; 64 KB a CTA, so three CTAs, 12 warps, an SM,
-// as many as the direct pair kernel's 168 registers allow). There the statistics run beside the
-// tile GEMMs on the few SMs those leave free, so what counts is how fast one SM gets through
-// them, not the whole GPU's bandwidth: the direct kernel's warps each wait for their 16 KB, then
-// compute with nothing in flight (~46 GB/s an SM measured beside the GEMMs, H100, against ~100
-// that its instruction count allows); a stage refilled while the warp computes keeps the next
-// item's bytes moving. Built 2026-12-06 and not yet run on a GPU (docs/PERFORMANCE.md).
+// Where it runs, measured (H200, [8192 x 75968], kernels alone, one call): fp32 single statistics
+// 0.659 -> 0.584 ms. Everything else stays direct: 16-bit single statistics 0.291 -> 0.311 (three
+// and four stages 0.320 / 0.344: the 16-bit items are near issue-bound, and the ring's shared
+// memory cuts the resident warps), pairs 0.591 -> 0.809 (bf16) and 1.311 -> 1.691 (fp32; 168
+// registers), and the top-k statistics, whose Score lost beside the selection kernels (fp32 top-k
+// 64 0.866 -> 0.882 ms) although the kernel alone gained. Hidden mode's fp32 tiles (sources with
+// a head transform) stay direct too: the streamed form was not measured there.
+inline constexpr int kRingStages = 2;
 inline constexpr uint32_t kRingBlockBytes = kVocabBlock * sizeof(float);
-inline constexpr size_t kRingSmem = size_t{kPairWarps} * 2 * (kRingBlockBytes + sizeof(uint64_t));
-template <bool kPair>
-inline constexpr int kRingStages = kPair ? 1 : 2;  // either way 2 blocks a warp: kRingSmem
-template <bool kPair>
-inline constexpr uint32_t kRingStageBytes = (kPair ? 2 : 1) * kRingBlockBytes;
+inline constexpr size_t kRingSmem =
+    size_t{kPairWarps} * kRingStages * (kRingBlockBytes + sizeof(uint64_t));
 
 template <typename Op>
 inline constexpr bool kStreamedOp = std::is_same_v<Op, StatsOp>;
@@ -341,47 +330,37 @@ __device__ __forceinline__ void FillLaneBlock(const DeviceSource& s, const uint8
   }
 }
 
-// The streamed form: kPair = both sources' blocks of an item in one stage (a's, then b's; b has
-// a's columns, LaunchBlockStats checks).
-template <bool kPair, typename Op>
+template <typename Op>
 __global__ void __launch_bounds__(kPairThreads)
-    RingKernel(DeviceSource a, DeviceSource b, int64_t blocks, int64_t pairs, Op op) {
+    RingKernel(DeviceSource a, int64_t blocks, int64_t pairs, Op op) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr FloatType T = FloatType::kFloat32;
-  constexpr int kStages = kRingStages<kPair>;
-  constexpr uint32_t kStageBytes = kRingStageBytes<kPair>;
   extern __shared__ __align__(128) uint8_t ring_smem[];
   const int warp = static_cast<int>(threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t step = static_cast<int64_t>(gridDim.x) * kPairWarps;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kPairWarps + warp;
   if (first >= pairs) return;  // uniform per warp; the warps share nothing
-  uint8_t* ring = ring_smem + warp * (kStages * kStageBytes);
+  uint8_t* ring = ring_smem + warp * (kRingStages * kRingBlockBytes);
   uint64_t* bar =
-      reinterpret_cast<uint64_t*>(ring_smem + kPairWarps * kStages * kStageBytes) + warp * kStages;
+      reinterpret_cast<uint64_t*>(ring_smem + kPairWarps * kRingStages * kRingBlockBytes) +
+      warp * kRingStages;
   const uint64_t policy = sm90::EvictFirstPolicy();
   // Lane 0 stages item p in stage st: one barrier phase.
   auto issue = [&](int64_t p, int st) {
     const int64_t row = p / blocks;
     const int64_t c0 = (p - row * blocks) * kVocabBlock;
     const uint32_t n = RingCopyBytes(a, c0);
-    sm90::ArriveExpectTx(&bar[st], kPair ? 2 * n : n);
-    if (n > 0) {
-      uint8_t* dst = ring + st * kStageBytes;
-      const float* src = static_cast<const float*>(a.data) + row * a.ld + c0;
-      sm90::BulkLoad(dst, src, n, &bar[st], policy);
-      if constexpr (kPair) {
-        const float* src_b = static_cast<const float*>(b.data) + row * b.ld + c0;
-        sm90::BulkLoad(dst + kRingBlockBytes, src_b, n, &bar[st], policy);
-      }
-    }
+    sm90::ArriveExpectTx(&bar[st], n);
+    const float* src = static_cast<const float*>(a.data) + row * a.ld + c0;
+    if (n > 0) sm90::BulkLoad(ring + st * kRingBlockBytes, src, n, &bar[st], policy);
   };
   if (lane == 0) {
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) sm90::BarrierInit(&bar[st], 1);
+    for (int st = 0; st < kRingStages; ++st) sm90::BarrierInit(&bar[st], 1);
     sm90::FenceBarrierInit();
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) {
+    for (int st = 0; st < kRingStages; ++st) {
       if (first + st * step < pairs) issue(first + st * step, st);
     }
   }
@@ -394,33 +373,25 @@ __global__ void __launch_bounds__(kPairThreads)
     const int64_t c0 = blk * kVocabBlock;
     sm90::Wait(&bar[st], (parity >> st) & 1u);
     parity ^= 1u << st;
-    const uint8_t* stage = ring + st * kStageBytes;
-    const uint32_t copied = RingCopyBytes(a, c0);
     LaneBlock<T> va;
-    FillLaneBlock(a, stage, copied, row, c0, lane, va);
-    LaneBlock<T> vb;
-    if constexpr (kPair) FillLaneBlock(b, stage + kRingBlockBytes, copied, row, c0, lane, vb);
+    FillLaneBlock(a, ring + st * kRingBlockBytes, RingCopyBytes(a, c0), row, c0, lane, va);
     // The stage's words are the lanes' now: the warp barrier orders every lane's reads before
     // lane 0's next instructions, and the proxy fence those before its bulk copy (the async
     // proxy) that overwrites the stage.
     __syncwarp();
-    if (lane == 0 && p + kStages * step < pairs) {
+    if (lane == 0 && p + kRingStages * step < pairs) {
       sm90::FenceProxyAsync();
-      issue(p + kStages * step, st);
+      issue(p + kRingStages * step, st);
     }
-    if constexpr (kPair) {
-      op(a, b, row, blk, lane, va, vb);
-    } else {
-      op(a, row, blk, lane, va);
-    }
-    st = st + 1 == kStages ? 0 : st + 1;
+    op(a, row, blk, lane, va);
+    st ^= 1;
   }
 #endif
 }
 
 // Whether the streamed form may run (LOGITSERVE_ITEM_KERNEL=direct: never, for measurements side
-// by side); it also needs rows 16-byte aligned (bulk copies), an sm_90 device and, for the single
-// form, a logits-mode source (no head transform).
+// by side); it also needs rows 16-byte aligned (bulk copies), a logits-mode source and an sm_90
+// device.
 inline bool RingAllowed() {
   static const bool allowed = [] {
     const char* v = std::getenv("LOGITSERVE_ITEM_KERNEL");
@@ -429,75 +400,46 @@ inline bool RingAllowed() {
   return allowed;
 }
 
-// CTAs of RingKernel<kPair, Op> that fit on one SM of the current device at once (0: none fits,
-// or no sm_90), and the device's SMs. Computed once per device (the function attribute that
+// The persistent grid of RingKernel<Op> on the current device: as many CTAs as fit on every SM
+// at once (0: none fits, or no sm_90). Computed once per device (the function attribute that
 // allows more than 48 KB of dynamic shared memory is set then).
-template <bool kPair, typename Op>
-void RingFit(int* per_sm, int* sms) {
+template <typename Op>
+int RingGrid() {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> fits[kMaxDevices];  // per_sm * 1024 + sms; 0: unknown; -1: none
-  *per_sm = 0;
-  *sms = 0;
+  static std::atomic<int> grids[kMaxDevices];  // 0: unknown; -1: none
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return;
-  int fit = fits[device].load(std::memory_order_relaxed);
-  if (fit == 0) {
-    int major = 0, count = 0, n = 0;
-    fit = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  int grid = grids[device].load(std::memory_order_relaxed);
+  if (grid == 0) {
+    int major = 0, sms = 0, per_sm = 0;
+    grid = -1;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
         major >= 9 &&
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-        count > 0 && count < 1024 &&
-        cudaFuncSetAttribute(RingKernel<kPair, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+        cudaFuncSetAttribute(RingKernel<Op>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kRingSmem)) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, RingKernel<kPair, Op>, kPairThreads,
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, RingKernel<Op>, kPairThreads,
                                                       kRingSmem) == cudaSuccess &&
-        n > 0) {
-      fit = n * 1024 + count;
+        per_sm > 0) {
+      grid = per_sm * sms;
     }
-    if (fit < 0) (void)cudaGetLastError();  // a failed query leaves the direct kernel
-    fits[device].store(fit, std::memory_order_relaxed);
+    if (grid < 0) (void)cudaGetLastError();  // a failed query leaves the direct kernel
+    grids[device].store(grid, std::memory_order_relaxed);
   }
-  if (fit > 0) {
-    *per_sm = fit / 1024;
-    *sms = fit % 1024;
-  }
+  return grid > 0 ? grid : 0;
 }
 
-// The CTAs that fit on `max_sms` SMs (0: every SM) at once; 0 where the form cannot run.
-template <bool kPair, typename Op>
-int RingCtas(int max_sms) {
-  if (!RingAllowed()) return 0;
-  int per_sm = 0, sms = 0;
-  RingFit<kPair, Op>(&per_sm, &sms);
-  if (max_sms > 0 && max_sms < sms) sms = max_sms;
-  return per_sm * sms;
-}
-
-// Launches RingKernel<kPair, Op> on as many CTAs as fit on `max_sms` SMs (0: every SM) and the
-// items need; false (nothing launched) where it cannot run.
-template <bool kPair, typename Op>
-bool LaunchRing(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
-                const Op& op, int max_sms, cudaStream_t stream) {
-  const int64_t fit = RingCtas<kPair, Op>(max_sms);
-  if (fit == 0) return false;
-  const int64_t needed = (pairs + kPairWarps - 1) / kPairWarps;
-  const int64_t grid = needed < fit ? needed : fit;
-  RingKernel<kPair, Op>
-      <<<static_cast<unsigned>(grid), kPairThreads, kRingSmem, stream>>>(a, b, blocks, pairs, op);
-  return true;
-}
-
-// Single fp32 statistics of a logits-mode source: streamed on every SM. Pair fp32 statistics:
-// streamed on `ring_sms` SMs when that is > 0 (the SMs the tile GEMMs leave free), else direct.
 template <FloatType TA, FloatType TB, bool kPair, typename Op>
 cudaError_t LaunchItems(const DeviceSource& a, const DeviceSource& b, int64_t blocks, int64_t pairs,
-                        const Op& op, cudaStream_t stream, int ring_sms = 0) {
-  if constexpr (TA == FloatType::kFloat32 && TB == FloatType::kFloat32 && kStreamedOp<Op>) {
-    const bool streamed =
-        kPair ? ring_sms > 0 && a.vectorized && b.vectorized : a.vectorized && !a.t.head;
-    if (streamed && LaunchRing<kPair>(a, b, blocks, pairs, op, kPair ? ring_sms : 0, stream)) {
-      return cudaSuccess;
+                        const Op& op, cudaStream_t stream) {
+  if constexpr (!kPair && TA == FloatType::kFloat32 && kStreamedOp<Op>) {
+    if (RingAllowed() && a.vectorized && !a.t.head) {
+      if (const int grid = RingGrid<Op>(); grid > 0) {
+        const int64_t needed = static_cast<int64_t>(PairGrid(pairs));
+        RingKernel<Op><<<static_cast<unsigned>(needed < grid ? needed : grid), kPairThreads,
+                         kRingSmem, stream>>>(a, blocks, pairs, op);
+        return cudaSuccess;
+      }
     }
   }
   DirectKernel<TA, TB, kPair, Op>

@@ -113,10 +113,10 @@ __global__ void GatherTargetsKernel(DeviceSource a, int64_t col0, int64_t count,
 }
 
 // Op over every (row, block) of a (and b, when not null: the pair form), dispatched on the types;
-// kPairOnly for an op without a single form (b must not be null). ring_sms: LaunchItems'.
+// kPairOnly for an op without a single form (b must not be null).
 template <bool kPairOnly = false, typename Op>
 cudaError_t LaunchOnSources(const LogitsSource& a, const LogitsSource* b, int64_t rows,
-                            const Op& op, cudaStream_t stream, int ring_sms = 0) {
+                            const Op& op, cudaStream_t stream) {
   const int64_t blocks = a.blocks();
   const int64_t pairs = rows * blocks;
   const DeviceSource da = detail::MakeDeviceSource(a);
@@ -131,7 +131,7 @@ cudaError_t LaunchOnSources(const LogitsSource& a, const LogitsSource* b, int64_
       }
     }
     WithType(b->type, [&](auto tb) {
-      err = LaunchItems<TA, decltype(tb)::value, true>(da, db, blocks, pairs, op, stream, ring_sms);
+      err = LaunchItems<TA, decltype(tb)::value, true>(da, db, blocks, pairs, op, stream);
     });
   });
   if (err != cudaSuccess) return err;
@@ -142,7 +142,7 @@ cudaError_t LaunchOnSources(const LogitsSource& a, const LogitsSource* b, int64_
 
 cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64_t rows,
                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
-                             cudaStream_t stream, const TargetsOut& targets, int ring_sms) {
+                             cudaStream_t stream, const TargetsOut& targets) {
   const int64_t blocks = a.blocks();
   if (rows <= 0 || blocks <= 0) return cudaSuccess;
   if (GridTooLarge(rows, blocks)) return cudaErrorInvalidConfiguration;
@@ -157,7 +157,7 @@ cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64
     }
     op.targets = detail::BlockTargets{targets.ids, targets.ids_per_row, targets.targets, a.col0};
   }
-  return LaunchOnSources(a, b, rows, op, stream, ring_sms);
+  return LaunchOnSources(a, b, rows, op, stream);
 }
 
 cudaError_t LaunchGatherTargets(const LogitsSource& a, int64_t rows, const int32_t* ids,
@@ -183,10 +183,6 @@ cudaError_t LaunchJsdPartials(const LogitsSource& s, const LogitsSource& t, int6
   if (!Supported(s) || !Supported(t)) return cudaErrorInvalidValue;
   const JsdOp op{folded_s, folded_t, beta, partials, partials_ld, partials_offset};
   return LaunchOnSources</*kPairOnly=*/true>(s, &t, rows, op, stream);
-}
-
-int StreamedPairCtas(int ring_sms) {
-  return ring_sms > 0 ? detail::RingCtas<true, detail::StatsOp>(ring_sms) : 0;
 }
 
 cudaError_t CheckKernelImage() {

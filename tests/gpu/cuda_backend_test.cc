@@ -800,16 +800,14 @@ TEST(CudaDeterminism, HiddenRowBitsIndependentOfBatchPositionLayoutAndDtype) {
 }
 
 // Hidden states in pageable host memory (staged through pinned buffers), in pinned host memory
-// and resident on the GPU give the same bits, on one GPU and on two; with top-k, with and without
-// a JSD pass (the GEMMs fill the logits slots in turn on their own stream without one, keep every
-// chunk of the row tile with one), and without top-k (whose statistics alone may be streamed);
-// also with both distributions' GEMMs on one stream (hidden_gemm_streams 1; by default the
-// reference's have their own), with the streamed pair statistics
-// (hidden_stats_streamed), with one or three logits slots (hidden_slots; two by default), and
-// with the first row tile of host inputs staged by the ranks once the job holds them instead of
-// prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile (two slots of one chunk
-// by default), so a tile reuses a logits slot; N = 4200: three row tiles of 2048 (the last
-// short), so slots and pinned buffers are reused across tiles.
+// and resident on the GPU give the same bits, on one GPU and on two; with and without a JSD pass
+// (the GEMMs fill the logits slots in turn on their own stream without one, keep every chunk of
+// the row tile with one), also with both distributions' GEMMs on one stream (hidden_gemm_streams
+// 1; by default the reference's have their own) and with one or three logits slots (hidden_slots;
+// two by default), and with the first row tile of host inputs staged by the ranks once the job
+// holds them instead of prestaged (prestage_bytes 0). V = 20000: three GEMM chunks per row tile
+// (two slots of one chunk by default), so a tile reuses a logits slot; N = 4200: three row tiles
+// of 2048 (the last short), so slots and pinned buffers are reused across tiles.
 TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   constexpr int64_t kVocab = 20000, kH = 96, kN = 4200;
   static_assert(kN > 2 * kCudaRowTile && kN < 3 * kCudaRowTile);
@@ -828,13 +826,6 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
                                      o.hidden_fused_max_hidden = 0;
                                      o.devices = {0};
                                      o.hidden_gemm_streams = 1;
-                                     return CreateCudaBackend(o);
-                                   }});
-  layouts.push_back(BackendFactory{"one_gpu_streamed_pair_statistics", [] {
-                                     CudaBackendOptions o;
-                                     o.hidden_fused_max_hidden = 0;
-                                     o.devices = {0};
-                                     o.hidden_stats_streamed = true;
                                      return CreateCudaBackend(o);
                                    }});
   layouts.push_back(BackendFactory{"one_gpu_no_prestage", [] {
@@ -867,11 +858,8 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
   std::memcpy(pinned_r, hr.bytes.data(), bytes);
   ASSERT_EQ(cudaMemcpy(dev_m, hm.bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dev_r, hr.bytes.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  // Top-k without and with a JSD pass; then no top-k, where the statistics run through
-  // LaunchBlockStats (the streamed pair form's only path; top-k has its own kernel).
-  const char* variants[] = {"top-k, no JSD pass", "top-k and a JSD pass", "no top-k, a JSD pass"};
-  for (int variant = 0; variant < 3; ++variant) {
-    SCOPED_TRACE(variants[variant]);
+  for (bool jsd : {false, true}) {
+    SCOPED_TRACE(jsd ? "with a JSD pass" : "without a JSD pass");
     std::unique_ptr<ScoreResult> baseline;
     for (const BackendFactory& f : layouts) {
       SCOPED_TRACE(f.name);
@@ -883,12 +871,15 @@ TEST(CudaDeterminism, HiddenStateResidenceAndStreamsDoNotChangeBits) {
       ASSERT_TRUE(ref.ok()) << ref.status();
       OwnedJob j;
       j.SetModelHidden(*model, Share(hm)).SetReferenceHidden(*ref, Share(hr));
-      if (variant == 1) {
+      if (jsd) {
         j.WithEverything(ids, 2, 3, 0.3f);
       } else {
-        j.WithTargets(ids, 2).WithEntropy().WithReferenceEntropy().WithForwardKl().WithReverseKl();
-        if (variant == 0) j.WithTopK(3);
-        if (variant == 2) j.WithJsd(0.3f);
+        j.WithTargets(ids, 2)
+            .WithTopK(3)
+            .WithEntropy()
+            .WithReferenceEntropy()
+            .WithForwardKl()
+            .WithReverseKl();
       }
       LOGITSERVE_ASSERT_SCORE(pageable, *b, j.job);
       if (baseline == nullptr) {

@@ -14,7 +14,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -290,76 +289,6 @@ TEST_F(CudaKernels, StreamedAndDirectKernelsWriteTheSameRecords) {
       EXPECT_EQ(std::memcmp(got[1].data(), got[3].data(), bytes), 0) << "pair records differ";
       // Not vacuous: the rows' maxima are finite, so a wrong stage would show.
       EXPECT_TRUE(std::isfinite(got[0][0].a.m) && got[0][0].a.s >= 1.0f);
-    }
-  }
-}
-
-// The streamed pair form (LaunchBlockStats' ring_sms: hidden mode's fp32 GEMM output beside the
-// GEMMs) writes the direct pair kernel's records and target logits bit for bit: on 1, 3 and
-// every SM (each warp then refills its one stage many times), with a head transform (bias and
-// the -0 fix, as hidden mode's sources carry) and with the temperature only, over whole shards,
-// one whose last block ends one value past a 16-byte unit and one whose last block's copy is
-// empty (3 values). Targets start as NaN, which no written target is.
-TEST_F(CudaKernels, StreamedPairKernelWritesTheDirectRecords) {
-  // Not vacuous: the form runs on this GPU (sm_90 and later: three CTAs an SM), else the
-  // launches below would all be the direct kernel's.
-  int major = 0;
-  ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-  if (major < 9) GTEST_SKIP() << "the streamed form needs sm_90";
-  ASSERT_GE(kc::StreamedPairCtas(1), 1);
-  ASSERT_EQ(kc::StreamedPairCtas(3), 3 * kc::StreamedPairCtas(1));
-  constexpr int64_t kManyRows = 3000;
-  std::vector<float> model(kManyRows * kV), ref(kManyRows * kV), bias(kV);
-  for (int64_t r = 0; r < kManyRows; ++r) {
-    for (int64_t j = 0; j < kV; ++j) {
-      const int64_t from = (r % kRows) * kV + (j + 3 * r) % kV;
-      model[static_cast<size_t>(r * kV + j)] = model_[static_cast<size_t>(from)];
-      ref[static_cast<size_t>(r * kV + j)] = ref_[static_cast<size_t>(from)];
-    }
-  }
-  model[5] = -0.0f;  // the head transform's zero fix has something to do
-  for (int64_t j = 0; j < kV; ++j) bias[static_cast<size_t>(j)] = 0.01f * static_cast<float>(j % 7);
-  DeviceArray<float> dm(model), dr(ref), dbias(bias);
-  std::vector<int32_t> ids(static_cast<size_t>(kManyRows));
-  constexpr int64_t kShortest = 4099;        // last block of 3 values: its bulk copy moves 0 bytes
-  for (int64_t r = 0; r < kManyRows; ++r) {  // inside every shard's columns
-    ids[static_cast<size_t>(r)] = static_cast<int32_t>((r * 7919) % kShortest);
-  }
-  DeviceArray<int32_t> did(ids);
-  for (bool head : {true, false}) {
-    for (int64_t cols : {kV, kV - 3, kShortest}) {
-      SCOPED_TRACE(std::string(head ? "head transform" : "temperature") + ", " +
-                   std::to_string(cols) + " columns");
-      kc::LogitsSource a = SourceOf(dm.get(), k::FloatType::kFloat32, 0, cols, head ? 1.0f : 0.7f);
-      kc::LogitsSource b = SourceOf(dr.get(), k::FloatType::kFloat32, 0, cols, head ? 1.0f : 0.7f);
-      if (head) {
-        a.transform.head = b.transform.head = true;
-        a.transform.bias = dbias.get();
-      }
-      const int64_t blocks = k::NumBlocks(cols);
-      const size_t n = static_cast<size_t>(kManyRows * blocks);
-      std::vector<std::vector<k::PairBlockStats>> got;
-      std::vector<std::vector<float>> targets;
-      for (int ring_sms : {0, 1, 3, 100000}) {
-        DeviceArray<k::PairBlockStats> pair(n);
-        DeviceArray<float> t(std::vector<float>(static_cast<size_t>(kManyRows),
-                                                std::numeric_limits<float>::quiet_NaN()));
-        ASSERT_CUDA(kc::LaunchBlockStats(a, &b, kManyRows, pair.get(), blocks, 0, nullptr,
-                                         kc::TargetsOut{did.get(), 1, t.get()}, ring_sms));
-        ASSERT_CUDA(cudaDeviceSynchronize());
-        got.push_back(pair.ToHost());
-        targets.push_back(t.ToHost());
-      }
-      for (size_t i = 1; i < got.size(); ++i) {
-        SCOPED_TRACE("launch " + std::to_string(i));
-        EXPECT_EQ(std::memcmp(got[i].data(), got[0].data(), n * sizeof(k::PairBlockStats)), 0);
-        EXPECT_EQ(std::memcmp(targets[i].data(), targets[0].data(), kManyRows * sizeof(float)), 0);
-      }
-      // Not vacuous: finite maxima, sums of at least one, cross terms and every target written.
-      EXPECT_TRUE(std::isfinite(got[0][0].a.m) && got[0][0].a.s >= 1.0f && got[0][0].b.s >= 1.0f);
-      EXPECT_NE(got[0][0].c_ab, 0.0f);
-      EXPECT_TRUE(std::none_of(targets[0].begin(), targets[0].end(),
-                               [](float x) { return std::isnan(x); }));
     }
   }
 }

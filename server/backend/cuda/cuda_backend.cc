@@ -277,7 +277,6 @@ absl::StatusOr<JobPlan> CudaBackend::Plan(const ScoreJob& job) const {
   p.any_hidden = job.model.hidden_mode() || (p.pair && job.reference.hidden_mode());
   p.overlap_gemms = options_.overlap_hidden_gemms;
   p.hidden_slots = options_.hidden_slots;
-  p.stats_streamed = options_.hidden_stats_streamed;
   p.two_gemm_streams = p.overlap_gemms && options_.hidden_gemm_streams == 2 && p.pair &&
                        job.model.hidden_mode() && job.reference.hidden_mode();
   int64_t widest = 0;

@@ -141,13 +141,6 @@ struct CudaBackendOptions {
   // algorithm is chosen for this SM count and fixed per head: a row's bits never depend on the
   // batch (they may differ from a backend's with another value, by rounding).
   int hidden_stats_sms = -1;
-  // Hidden mode, cuBLASLt tiles with SMs left free (hidden_stats_sms) and overlapped GEMMs,
-  // policy + reference, jobs without top-k (top-k has its own statistics kernel): the pair
-  // statistics in their streamed form (kernels/cuda/block_items.cuh), persistent on as many CTAs
-  // as fit on the free SMs, each warp's next blocks arriving by bulk copy while it computes.
-  // The same bits as the direct kernel. Off: built 2026-12-06, not yet measured on a GPU
-  // (logitserve-kernel-bench --hidden-configs ...:ring runs it).
-  bool hidden_stats_streamed = false;
   // Hidden mode, cuBLASLt tiles, hidden_stats_chunks > 1: one GEMM per slot (hidden_stats_chunks x
   // kCudaVocabChunk columns; a head shard's last slot may hold fewer chunks and runs the same
   // algorithm on fewer columns) rather than one per kCudaVocabChunk chunk: fewer, larger GEMMs,

@@ -82,9 +82,8 @@ inline int TileGemmSmCount(int device_sms, int free_sms) {
 // more SMs to keep up. H100, N 8192, V 151936 pair (logitserve-kernel-bench --hidden H
 // --hidden-configs 2048:1:2s:slots2:freeN, alternated, docs/PERFORMANCE.md): H 2048, 24 SMs
 // 17.24-17.62 ms against 17.69-18.14 with 8 (16 and 20: 17.71-17.84); H 4096, 8 and 20 even
-// (medians 31.35 / 31.21 ms), 12 and 24 slower; H200, H 2048: 24 16.76 ms, 8 16.90 (one run
-// each). Sizes between the two measured ones keep 8. Fixed per head: a row's bits never depend
-// on the batch.
+// (medians 31.35 / 31.21 ms), 12 and 24 slower; the H200 not yet measured. Sizes between the
+// two measured ones keep 8. Fixed per head: a row's bits never depend on the batch.
 inline int HiddenStatsSms(int option, int64_t k) {
   if (option >= 0) return option;
   return k <= 2048 ? 24 : 8;

@@ -94,8 +94,7 @@ struct JobPlan {
   bool two_gemm_streams = false;
   // Logits slots per distribution of the cuBLASLt-tile path (CudaBackendOptions::hidden_slots).
   int hidden_slots = 1;
-  bool stats_streamed = false;  // CudaBackendOptions::hidden_stats_streamed
-  int64_t tile_rows = 0;        // rows per tile (the last tile may hold fewer)
+  int64_t tile_rows = 0;  // rows per tile (the last tile may hold fewer)
   // Vocabulary columns per statistics launch (hidden mode: the slot width, a whole number of GEMM
   // chunks, CudaBackendOptions::hidden_stats_chunks).
   int64_t chunk_cols = 0;

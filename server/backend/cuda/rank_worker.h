@@ -162,9 +162,6 @@ class RankWorker final : public ShardedRank {
   // slot `slot_`) with one LaunchHiddenStats on `on`.
   absl::Status LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, cudaStream_t on);
   absl::Status ComputeHiddenTile(int64_t row0, int64_t rows);
-  // JobPlan::stats_streamed: the SMs both heads' tile GEMMs leave free on this rank's device (the
-  // fewer of the two), for the streamed pair statistics (0: the direct kernel).
-  int StatsRingSms() const;
   absl::Status ComputeLogitsTile(int64_t row0, int64_t rows);
   // Reporting rank: tile t's output slices from the device block to host_io on copy_stream, then
   // tile_done; the last tile also brings the bad-row markers.

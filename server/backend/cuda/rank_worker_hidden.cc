@@ -3,7 +3,6 @@
 // (ComputeHiddenTile: GEMMs per vocabulary chunk into double-buffered slots on gemm_stream, the
 // reference's on gemm_stream_b beside them, the statistics kernel reading them back on `stream`).
 // A third file of rank_worker.cc's class.
-#include <algorithm>
 #include <cstring>
 
 #include "common/base/status_macros.h"
@@ -60,24 +59,6 @@ absl::Status RankWorker::LaunchFused(int64_t row0, int64_t rows, uint8_t* msg, c
   return absl::OkStatus();
 }
 
-int RankWorker::StatsRingSms() const {
-  if (!plan_.stats_streamed || !plan_.overlap_gemms || !plan_.pair || !model_.hidden ||
-      !ref_.hidden) {
-    return 0;  // (without overlap the statistics have the GPU to themselves: direct)
-  }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank_.device) != cudaSuccess) {
-    return 0;
-  }
-  int free_sms = sms;  // the fewest either head's GEMMs leave
-  for (const Dist* d : {&model_, &ref_}) {
-    const CudaTileGemm* gemm = d->head->shards[static_cast<size_t>(rank_.index)].gemm.get();
-    if (gemm == nullptr || gemm->shape().sm_count == 0) return 0;
-    free_sms = std::min(free_sms, sms - gemm->shape().sm_count);
-  }
-  return std::max(0, free_sms);
-}
-
 absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   const kc::TileMessage& m = plan_.msg;
   // Two streams in hidden mode (see Rank). Chunk g of the job (over all tiles) goes to slot g % n
@@ -112,7 +93,6 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
   auto* counts = reinterpret_cast<int32_t*>(msg + m.count_offset);
   auto* targets = reinterpret_cast<float*>(msg + m.target_offset);
   bool cleared = false;  // the uploads are issued and the top-k counts cleared (below)
-  const int ring_sms = StatsRingSms();
   for (int64_t c = 0; c < num_chunks_; ++c) {
     const int64_t g = chunk_seq_++;
     const int64_t n = plan_.hidden_slots;
@@ -161,8 +141,8 @@ absl::Status RankWorker::ComputeHiddenTile(int64_t row0, int64_t rows) {
       if (job_.ids_per_row > 0) {
         out = kc::TargetsOut{ids_ + row0 * job_.ids_per_row, job_.ids_per_row, targets};
       }
-      LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks,
-                                                           local_block, stream(), out, ring_sms));
+      LOGITSERVE_RETURN_IF_CUDA_ERROR(
+          kc::LaunchBlockStats(a, ref, rows, stats, m.max_blocks, local_block, stream(), out));
     }
     if (job_.ids_per_row > 0 && job_.top_k > 0) {
       LOGITSERVE_RETURN_IF_CUDA_ERROR(kc::LaunchGatherTargets(

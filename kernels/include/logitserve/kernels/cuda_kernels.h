@@ -80,15 +80,10 @@ struct TargetsOut {
 // ids). Record of (row r, source block j) goes to stats[r * stats_ld + stats_offset + j].
 // Single mode writes b = EmptyBlockStats() and zero cross terms. With `targets` (fp32 sources
 // only, e.g. hidden mode's GEMM output), also what LaunchGatherTargets(a, rows, ...) writes, bit
-// for bit, without its launch. ring_sms > 0, fp32 pairs with 16-byte aligned rows on an sm_90
-// device: the streamed kernel (block_items.cuh), persistent on as many CTAs as fit on that many
-// SMs (for statistics beside GEMMs that leave them free); the same bits as the direct kernel.
+// for bit, without its launch.
 cudaError_t LaunchBlockStats(const LogitsSource& a, const LogitsSource* b, int64_t rows,
                              PairBlockStats* stats, int64_t stats_ld, int64_t stats_offset,
-                             cudaStream_t stream, const TargetsOut& targets = {}, int ring_sms = 0);
-// The CTAs LaunchBlockStats' streamed pair form runs on for `ring_sms` SMs on the current device
-// (0: it does not run here, and the direct kernel does), for tests and benchmarks.
-int StreamedPairCtas(int ring_sms);
+                             cudaStream_t stream, const TargetsOut& targets = {});
 
 // For every row r < rows and j < ids_per_row whose id = ids[r * ids_per_row + j] lies in the
 // source's columns: targets[r * ids_per_row + j] = the logit z (after the transform). Other
