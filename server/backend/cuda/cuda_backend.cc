@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "common/base/status_macros.h"
 #include "logitserve/kernels/block_stats.h"
 #include "logitserve/kernels/cuda_kernels.h"
@@ -636,26 +637,20 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
     }
     LOGITSERVE_RETURN_IF_ERROR(rank->copy_stream.Create(rank->device, greatest_priority));
     LOGITSERVE_RETURN_IF_ERROR(rank->upload_stream.Create(rank->device));
-    LOGITSERVE_RETURN_IF_ERROR(rank->upload_idle.Create(rank->device));
-    for (auto* events : {&rank->stats_done, &rank->message_free}) {
-      for (CudaEvent& e : *events) {
+    // Every event of the rank, arrays and single ones alike.
+    auto one = [](CudaEvent& e) { return absl::MakeSpan(&e, 1); };
+    for (absl::Span<CudaEvent> events :
+         {absl::MakeSpan(rank->stats_done), absl::MakeSpan(rank->message_free),
+          absl::MakeSpan(rank->side_idle), absl::MakeSpan(rank->slot_filled),
+          absl::MakeSpan(rank->slot_free), absl::MakeSpan(rank->slot_filled_b),
+          absl::MakeSpan(rank->raw_ready), absl::MakeSpan(rank->raw_free),
+          absl::MakeSpan(rank->tile_done), one(rank->upload_idle), one(rank->outputs_ready),
+          one(rank->slots_released), one(rank->gemm_idle), one(rank->gemm_idle_b),
+          one(rank->uploaded), one(rank->idle)}) {
+      for (CudaEvent& e : events) {
         LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
       }
     }
-    LOGITSERVE_RETURN_IF_ERROR(rank->outputs_ready.Create(rank->device));
-    for (CudaEvent& e : rank->side_idle) {
-      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
-    }
-    for (auto* events : {&rank->slot_filled, &rank->slot_free, &rank->slot_filled_b,
-                         &rank->raw_ready, &rank->raw_free}) {
-      for (CudaEvent& e : *events) {
-        LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
-      }
-    }
-    LOGITSERVE_RETURN_IF_ERROR(rank->slots_released.Create(rank->device));
-    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle.Create(rank->device));
-    LOGITSERVE_RETURN_IF_ERROR(rank->gemm_idle_b.Create(rank->device));
-    LOGITSERVE_RETURN_IF_ERROR(rank->uploaded.Create(rank->device));
     LOGITSERVE_RETURN_IF_ERROR(rank->lt.Create());
     if (auto s = rank->cublas_workspace.Reserve(rank->device, kCublasWorkspaceBytes); !s.ok()) {
       return s;
@@ -664,10 +659,6 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
       LOGITSERVE_RETURN_IF_ERROR(
           rank->cublas_workspace_b.Reserve(rank->device, kCublasWorkspaceBytes));
     }
-    for (CudaEvent& e : rank->tile_done) {
-      LOGITSERVE_RETURN_IF_ERROR(e.Create(rank->device));
-    }
-    LOGITSERVE_RETURN_IF_ERROR(rank->idle.Create(rank->device));
     fused = fused && kc::HiddenStatsSupported();
     const size_t copy_threads =  // with the worker's; rank 0 also copies the outputs back
         r == 0 ? cuda_internal::MaxCopyThreads() : cuda_internal::StagingThreads(shards);
