@@ -10,23 +10,25 @@
 // subtile's statistics and fold those into the block's record (block_stats.h's FoldBlock /
 // FoldPairBlock, the fold every backend runs). A producer warp streams the operand tiles
 // (hidden rows x 64 values, weight rows x 64 values, 128-byte swizzle) with the bulk tensor copy
-// engine through a ring of shared-memory stages guarded by mbarriers. CTAs are persistent: each
+// engine through a ring of shared-memory slots guarded by mbarriers. CTAs are persistent: each
 // takes items (row tile, block) in a fixed, grid-independent order of groups of row tiles, so that
 // the hidden rows of a group stay in L2 across the 16 subtiles of every block and a weight subtile
 // is read once from device memory per group. Clusters of kCM x kCN CTAs (rows x blocks) share
 // operand tiles with multicast copies: each CTA loads 1 / kCN of the hidden tile and 1 / kCM of the
 // weight tile into every CTA of the cluster that needs it, so L2 delivers each byte once per
-// cluster. The producer also prefetches into L2 the tiles kPrefetchSteps steps ahead.
+// cluster.
 //
-// Speed (H200, docs/performance-history.md): CudaBackend's default for heads of H <= 1024
+// Speed (docs/PERFORMANCE.md): CudaBackend's default for heads of H <= 2048
 // (CudaBackendOptions::hidden_fused_max_hidden), where it beats cuBLASLt tiles + the statistics
-// kernel; at larger H the tiles win. Nsight Compute at H 1024: the tensor pipe is busy about half
-// the time; the consumers spend ~38 % of their time in the epilogue (which does not overlap the
-// MMAs: no registers are left for a second accumulator set) and ~20 % of the main loop waiting
-// for operand stages (three 64 KB stages, of which the consumers hold two). At H 4096 a pair
-// tile pulls 64 KB of operands per 4.2 MFLOP and the kernel is bound by L2 bandwidth (ncu: L2
-// 98 %). Measured slower and dropped: 32-value stages x 6 (64-byte swizzle; H 1024 10.2 -> 12.9
-// ms) and an L2 prefetch that runs across subtiles and items (10.2 -> 12.1 ms).
+// kernel; at H 4096 the tiles win. The main loop is bound by operand delivery from L2: a pair
+// tile pulls 64 KB of operands per 4.2 MFLOP, and the consumers' epilogue (~1 / 3 of their time
+// at H 1024) does not overlap the MMAs (no registers are left for a second accumulator set), so
+// what the ring keeps in flight decides the speed. H100, H 1024, N 8192: three 64 KB stages of
+// both heads 10.2 ms; six 32 KB slots of one head 9.2; without the producer's L2 prefetch (which
+// doubled the L2 traffic of the tiles it touched) 8.55. Measured slower and dropped: 32-value
+// stages x 6 (64-byte swizzle; H 1024 10.2 -> 12.9 ms), an L2 prefetch across subtiles and items
+// (10.2 -> 12.1 ms), and the model's side of the epilogue run beside the reference's products
+// (the model's k-steps first; 9.2 -> 9.5 ms: the held slots starved the loads).
 //
 // Semantics. A subtile's record is exactly what PairItem / SingleItem (block_items.cuh) compute
 // for a block, over the subtile's 128 columns: NaN / +inf flags from a NaN-propagating maximum,
@@ -71,7 +73,6 @@ constexpr int kSubtiles = static_cast<int>(kVocabBlock) / kTileCols;
 constexpr int kThreads = 384;                       // producer warpgroup + two consumers
 constexpr int kTileBytes = kTileRows * kStepK * 2;  // one operand tile: 16 KB
 constexpr int kGroupRows = 1024;                    // rows of a group of items (L2 reuse)
-constexpr int kPrefetchSteps = 8;  // L2 prefetch distance of the producer, in k-steps
 // Registers after setmaxnreg: the CTA starts with 168 a thread (65536 / 384, rounded down to 8),
 // 64512 in all, and the consumers' increase waits until the producer's decrease has freed them:
 // 128 x 40 + 256 x 232 = 64512 exactly (a larger sum never completes: the kernel hangs).
@@ -80,21 +81,18 @@ constexpr uint32_t kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "setmaxnreg pool");
 static_assert(kSubtiles * kTileCols == kVocabBlock, "subtiles cover a block");
 
-// Stages of the shared-memory ring: as many as fit in the 227 KB a CTA may hold.
-template <bool kPair>
-constexpr int Stages() {
-  return kPair ? 3 : 6;
-}
-template <bool kPair>
-constexpr int StageBytes() {
-  return (kPair ? 4 : 2) * kTileBytes;
-}
+// The shared-memory ring: six slots of one head's operand tiles (the hidden tile and the weight
+// tile of one 64-value k-step), as many as fit in the 227 KB a CTA may hold. The pair form's
+// k-step fills two slots in turn (model, then reference), so that the consumers, which hold the
+// slot under their running products and the one before it, leave four slots (128 KB) to loads in
+// flight rather than one 64 KB stage of both heads (H100, H 1024: 8 % faster).
+constexpr int kStages = 6;
+constexpr int kStageBytes = 2 * kTileBytes;
 // The ring, its barriers, and each row's running block record (PairRowStats: the fold of the
 // block's subtile records so far, kept in shared memory rather than in the consumers' registers,
 // which the accumulators fill), plus alignment slack.
-template <bool kPair>
 constexpr int SmemBytes() {
-  return Stages<kPair>() * StageBytes<kPair>() + 2 * Stages<kPair>() * 8 +
+  return kStages * kStageBytes + 2 * kStages * 8 +
          kTileRows * static_cast<int>(sizeof(PairRowStats)) + 1024;
 }
 
@@ -165,8 +163,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ CUtensorMap xb,
                       const __grid_constant__ CUtensorMap wb, const Params p) {
 #if LOGITSERVE_SM90A
-  constexpr int kStages = Stages<kPair>();
-  constexpr int kStageBytes = StageBytes<kPair>();
   constexpr bool kCluster = kCM * kCN > 1;
   // CTAs that write into this CTA's stages (its hidden-tile sharers and weight-tile sharers, itself
   // once): each of their consumer warpgroups releases a stage here.
@@ -228,39 +224,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           ca.wparts = p.wparts_a;
           cb.k_end = p.ksteps_b * kStepK;
           cb.wparts = p.wparts_b;
-          // L2 prefetch kPrefetchSteps steps ahead of the loads (within the subtile): the ring
-          // holds two stages of loads in flight, too few to hide a miss to device memory.
-          Cursor pa = ca, pb = cb;
-          for (int s = 0; s < min(kPrefetchSteps, steps); ++s) {
-            if (s < p.steps_a) pa.Next();
-            if (kPair && s < p.steps_b) pb.Next();
-          }
           for (int s = 0; s < steps; ++s) {
-            const int sp = s + kPrefetchSteps;
-            if (sp < steps) {
-              if (sp < p.steps_a) {
-                sm::PrefetchL2(&xa, pa.k, x_row, pa.xpart);
-                sm::PrefetchL2(&wa, pa.k, w_row, pa.wpart);
-                pa.Next();
-              }
-              if constexpr (kPair) {
-                if (sp < p.steps_b) {
-                  sm::PrefetchL2(&xb, pb.k, x_row, pb.xpart);
-                  sm::PrefetchL2(&wb, pb.k, w_row, pb.wpart);
-                  pb.Next();
-                }
-              }
-            }
-            sm::Wait(&empty[stage], phase ^ 1u);
-            const bool has_a = s < p.steps_a;
-            const bool has_b = kPair && s < p.steps_b;
-            sm::ArriveExpectTx(&full[stage],
-                               (has_a ? 2 : 0) * kTileBytes + (has_b ? 2 : 0) * kTileBytes);
-            uint8_t* st = smem + stage * kStageBytes;
-            auto load = [&](const CUtensorMap& xm, const CUtensorMap& wm, uint8_t* dst,
-                            const Cursor& k) {
-              uint8_t* xd = dst + ci * kXRows * 128;
-              uint8_t* wd = dst + kTileBytes + ri * kWRows * 128;
+            // One head's k-step into the next slot of the ring.
+            auto fill = [&](const CUtensorMap& xm, const CUtensorMap& wm, Cursor& k) {
+              sm::Wait(&empty[stage], phase ^ 1u);
+              sm::ArriveExpectTx(&full[stage], 2 * kTileBytes);
+              uint8_t* st = smem + stage * kStageBytes;
+              uint8_t* xd = st + ci * kXRows * 128;
+              uint8_t* wd = st + kTileBytes + ri * kWRows * 128;
               if constexpr (kCN > 1) {
                 sm::Load3dMulticast(&xm, &full[stage], xd, k.k, x_row, k.xpart, x_mask);
               } else {
@@ -271,20 +242,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               } else {
                 sm::Load3d(&wm, &full[stage], wd, k.k, w_row, k.wpart);
               }
-            };
-            if (has_a) {
-              load(xa, wa, st, ca);
-              ca.Next();
-            }
-            if constexpr (kPair) {
-              if (has_b) {
-                load(xb, wb, st + 2 * kTileBytes, cb);
-                cb.Next();
+              k.Next();
+              if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1u;
               }
-            }
-            if (++stage == kStages) {
-              stage = 0;
-              phase ^= 1u;
+            };
+            if (s < p.steps_a) fill(xa, wa, ca);
+            if constexpr (kPair) {
+              if (s < p.steps_b) fill(xb, wb, cb);
             }
           }
         }
@@ -299,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row_in_tile = cw * 64 + (t128 >> 5) * 16 + (lane >> 2);
     const int steps = kPair ? max(p.steps_a, p.steps_b) : p.steps_a;
     float acc_a[64], acc_b[64];
-    // Descriptor address word of stage 0 and this warpgroup's row offset in an x tile.
+    // Descriptor address word of slot 0 and this warpgroup's row offset in an x tile.
     const uint32_t desc_lo = sm::SmemDescLo(sm::SmemAddr(smem));
     const uint32_t x_off = static_cast<uint32_t>(cw * (64 * 128)) >> 4;
     int stage = 0;
@@ -330,37 +296,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t row0 = static_cast<int64_t>(it.row_tile) * kTileRows + row_in_tile;
       for (int t = 0; t < it.subtiles; ++t) {
         int prev = -1;
-        for (int s = 0; s < steps; ++s) {
+        // One head's k-step s from the next slot: the warpgroup's 64 hidden rows of the slot's x
+        // tile against its w tile, the k-th 16-value slice 32 bytes further (>> 4 in the
+        // descriptor's address word). Once the products of the slot before are done, that slot
+        // goes back to its writers.
+        auto step = [&](float(&acc)[64], int s) {
           sm::Wait(&full[stage], phase);
-          // Descriptors: this warpgroup's 64 hidden rows of the stage's x tile, the w tile; the
-          // k-th 16-value slice 32 bytes further (>> 4 in the descriptor's address word).
           const uint32_t lo = desc_lo + static_cast<uint32_t>(stage) * (kStageBytes >> 4);
           sm::WgmmaFence();
-          if (s < p.steps_a) {
 #pragma unroll
-            for (int kk = 0; kk < kStepK / 16; ++kk) {
-              sm::WgmmaM64N128K16(acc_a, sm::SmemDesc(lo + x_off + 2 * kk),
-                                  sm::SmemDesc(lo + (kTileBytes >> 4) + 2 * kk),
-                                  (s > 0 || kk > 0) ? 1u : 0u);
-            }
-          }
-          if constexpr (kPair) {
-            if (s < p.steps_b) {
-#pragma unroll
-              for (int kk = 0; kk < kStepK / 16; ++kk) {
-                sm::WgmmaM64N128K16(
-                    acc_b, sm::SmemDesc(lo + (2 * kTileBytes >> 4) + x_off + 2 * kk),
-                    sm::SmemDesc(lo + (3 * kTileBytes >> 4) + 2 * kk), (s > 0 || kk > 0) ? 1u : 0u);
-              }
-            }
+          for (int kk = 0; kk < kStepK / 16; ++kk) {
+            sm::WgmmaM64N128K16(acc, sm::SmemDesc(lo + x_off + 2 * kk),
+                                sm::SmemDesc(lo + (kTileBytes >> 4) + 2 * kk),
+                                (s > 0 || kk > 0) ? 1u : 0u);
           }
           sm::WgmmaCommit();
-          sm::WgmmaWait<1>();  // the previous step's products are done with their stage
+          sm::WgmmaWait<1>();
           if (prev >= 0) release(prev);
           prev = stage;
           if (++stage == kStages) {
             stage = 0;
             phase ^= 1u;
+          }
+        };
+        for (int s = 0; s < steps; ++s) {
+          if (s < p.steps_a) step(acc_a, s);
+          if constexpr (kPair) {
+            if (s < p.steps_b) step(acc_b, s);
           }
         }
         sm::WgmmaWait<0>();
@@ -511,7 +473,7 @@ struct ClusterLaunch {
 template <bool kPair, bool kGeneral, int kCM, int kCN>
 cudaError_t Launch(const CUtensorMap (&maps)[4], Params p, cudaStream_t stream) {
   auto kernel = HiddenStatsKernel<kPair, kGeneral, kCM, kCN>;
-  constexpr int kSmem = SmemBytes<kPair>();
+  constexpr int kSmem = SmemBytes();
   constexpr int kClusterSize = kCM * kCN;
   // Once per instantiation and device: the shared-memory opt-in and the clusters that fit.
   constexpr int kMaxDevices = 64;

@@ -152,13 +152,6 @@ __device__ __forceinline__ void Load3dMulticast(const void* map, uint64_t* bar, 
       : "memory");
 }
 
-// Brings box (c0, c1, c2) of a 3-D tensor map into L2 (no shared memory, no barrier).
-__device__ __forceinline__ void PrefetchL2(const void* map, int32_t c0, int32_t c1, int32_t c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(map),
-               "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-
 __device__ __forceinline__ void PrefetchTensorMap(const void* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
