@@ -377,16 +377,16 @@ TEST(CudaHiddenPaths, FusedAndTiledAgree) {
 }
 
 // With the default options a job takes the fused kernel when every head of it has a hidden size
-// of at most hidden_fused_max_hidden (1024), else the tiles: the bits of the backend forced onto
+// of at most hidden_fused_max_hidden (2048), else the tiles: the bits of the backend forced onto
 // that path, for a small head, a head just past the limit, and a pair of the two (the widest
 // decides, for both sides). Where the fused kernel cannot run, every job takes the tiles.
 TEST(CudaHiddenPaths, DefaultPathByHiddenSize) {
-  constexpr int64_t kVocab = 3000, kSmall = 64, kLarge = 1032, kN = 130;
+  constexpr int64_t kVocab = 3000, kSmall = 64, kLarge = 2056, kN = 130;
   std::mt19937_64 rng(71);
   const auto small_w =
       RandomHead(rng, kVocab, kSmall, FloatType::kBFloat16, 3.0 / 8.0, false, HeadTransform{});
   const auto large_w = RandomHead(rng, kVocab, kLarge, FloatType::kBFloat16,
-                                  3.0 / std::sqrt(1032.0), false, HeadTransform{});
+                                  3.0 / std::sqrt(2056.0), false, HeadTransform{});
   const SharedMatrix hs =
       Share(Encode(FloatType::kBFloat16, kN, kSmall, RandomNormal(rng, kN * kSmall, 1.0)));
   const SharedMatrix hl =

@@ -165,16 +165,16 @@ struct CudaBackendOptions {
   // tiles above and the statistics kernel. hidden_fused: for every job whose distributions are
   // all in hidden mode, on every GPU of the backend or on none; the two paths agree to rounding,
   // not bit for bit, and each is batch-, layout- and dtype-invariant on its own. Off by default
-  // for large heads: correct (every GPU suite passes on it) but slower there, H200, N 8192,
-  // V 151936 pair: H 4096 43.5 ms (2x2 clusters) against 32.1 ms for the tiles, bound by L2
-  // bandwidth (ncu: L2 98 %, tensor pipe 44 %); docs/performance-history.md has the measurements.
+  // for large heads: correct (every GPU suite passes on it) but slower there, H100, N 8192,
+  // V 151936 pair: H 4096 33.1 ms (2x1 clusters) against 31.6 ms for the tiles, bound by operand
+  // delivery from L2; docs/PERFORMANCE.md has the measurements.
   bool hidden_fused = false;
   // ... and without hidden_fused, for every all-hidden job whose heads' hidden sizes are all at
-  // most this (0: never): short GEMMs, where the tiles' cost is per tile rather than per FLOP.
-  // H200, N 8192, V 151936 pair: H 1024 fused 11.27 ms against 13.23 for the tiles, H 2048 20.2
-  // against 19.3, H 4096 43.5 against 32.1. Chosen per job from the heads alone (never from the
-  // rows), so a head's rows always take one path: batch invariance holds.
-  int64_t hidden_fused_max_hidden = 1024;
+  // most this (0: never). H100, N 8192, V 151936 pair (six-slot ring, no L2 prefetch, session of
+  // 2026-12-06 05:23 UTC): H 1024 fused 8.55 ms against 11.99 for the tiles, H 2048 16.00
+  // against 17.45, H 4096 33.05 against 31.56. Chosen per job from the heads alone (never from
+  // the rows), so a head's rows always take one path: batch invariance holds.
+  int64_t hidden_fused_max_hidden = 2048;
   // Fused path: rows per pipelined row tile (a multiple of 128; 0 = kFusedTileRows, fewer when
   // top-k or JSD keep the logits), and CTAs per cluster sharing operand tiles by multicast,
   // "RxB" for R row tiles x B vocabulary blocks: 1x1, 2x1, 1x2 or 2x2, or "auto": per launch, 2x1
